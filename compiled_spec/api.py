@@ -1,0 +1,162 @@
+"""The Python API: LLM.generate, LLM.logits, LLM.mtp_logits."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from .checkpoint import load_model
+from .config import EngineConfig, GraphMode
+from .errors import CompiledSpecError
+from .model.rope import rotary_tables
+from .params import RequestOutput, SamplingParams, SpecStats
+from .runtime.engine import Engine, Request, TokenCallback
+from .spec.state import DecodeState
+from .spec.step import StepConstants, make_layout
+from .tokenizer import eos_token_ids, load_tokenizer
+
+DEFAULT_MODEL = Path(__file__).parent / "default_model"
+
+
+class LLM:
+    def __init__(
+        self,
+        model: str | Path | None = None,
+        *,
+        num_speculative_tokens: int = 3,
+        graph_mode: str | GraphMode = GraphMode.EAGER,
+        max_batch_size: int = 8,
+        max_seq_len: int = 512,
+        device: str = "cpu",
+        dtype: str = "float32",
+        seed: int = 0,
+        batch_buckets: tuple[int, ...] | None = None,
+        prefill_buckets: tuple[int, ...] | None = None,
+    ):
+        self.path = Path(model) if model is not None else DEFAULT_MODEL
+        self.config = EngineConfig(
+            num_speculative_tokens=num_speculative_tokens,
+            graph_mode=GraphMode.parse(graph_mode),
+            max_batch_size=max_batch_size,
+            max_seq_len=max_seq_len,
+            device=device,
+            dtype=dtype,
+            seed=seed,
+            batch_buckets=batch_buckets,
+            prefill_buckets=prefill_buckets,
+        )
+        if self.config.dtype not in ("float32", "bfloat16", "float16"):
+            raise CompiledSpecError(f"dtype={dtype!r} is not supported; choose float32, bfloat16 or float16")
+        self.model = load_model(self.path, getattr(torch, self.config.dtype), device)
+        self.model_config = self.model.config
+        self.config.validate(self.model_config)
+        self.tokenizer = load_tokenizer(self.path)
+        self.eos_ids = eos_token_ids(self.path, self.model_config.eos_token_ids, self.tokenizer)
+        self.engine = Engine(self.model, self.config, self.eos_ids, self.tokenizer)
+        self._requests_made = 0
+
+    @property
+    def num_speculative_tokens(self) -> int:
+        return self.config.num_speculative_tokens
+
+    def encode(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise CompiledSpecError(f"{str(self.path)!r} has no tokenizer; pass prompts as lists of token ids")
+            return self.tokenizer.encode(prompt, add_special_tokens=False)
+        if not all(isinstance(t, int) and 0 <= t < self.model_config.vocab_size for t in prompt):
+            raise CompiledSpecError(f"token ids must be integers in 0..{self.model_config.vocab_size - 1}")
+        return list(prompt)
+
+    def _check_prompt(self, prompt) -> list[int]:
+        if isinstance(prompt, str) and not prompt:
+            raise CompiledSpecError("empty prompt; a prompt needs at least one token")
+        ids = self.encode(prompt)
+        if not ids:
+            raise CompiledSpecError("empty prompt; a prompt needs at least one token")
+        limit = self.config.max_seq_len - 1
+        if len(ids) > limit:
+            raise CompiledSpecError(
+                f"prompt of {len(ids)} tokens is too long; max_seq_len={self.config.max_seq_len} "
+                f"allows prompts of at most {limit} tokens"
+            )
+        return ids
+
+    def generate(
+        self,
+        prompts: list[str] | list[list[int]] | str,
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        on_tokens: TokenCallback | None = None,
+    ) -> list[RequestOutput]:
+        """Generates for every prompt. A bad prompt gets finish_reason "error" and does not stop the others.
+
+        on_tokens(request_index, new_token_ids) is called as tokens are accepted (streaming).
+        """
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        if not prompts:
+            raise CompiledSpecError("empty prompt list; pass at least one prompt")
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params_list = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
+        if len(params_list) != len(prompts):
+            raise CompiledSpecError(
+                f"{len(params_list)} sampling params for {len(prompts)} prompts; pass one, or one per prompt"
+            )
+        outputs, requests = [], []
+        for index, (prompt, params) in enumerate(zip(prompts, params_list)):
+            output = RequestOutput(prompt_token_ids=[], stats=SpecStats(self.num_speculative_tokens))
+            outputs.append(output)
+            try:
+                output.prompt_token_ids = self._check_prompt(prompt)
+            except CompiledSpecError as error:
+                output.finish_reason, output.error = "error", str(error)
+                continue
+            seed = params.seed if params.seed is not None else (self.config.seed * 1_000_003 + self._requests_made)
+            self._requests_made += 1
+            requests.append(Request(index, output.prompt_token_ids, params, seed, output))
+        self.engine.run(requests, on_tokens)
+        return outputs
+
+    @torch.inference_mode()
+    def _teacher_forced_hidden(self, token_ids: list[int]):
+        ids = self._check_prompt(list(token_ids))
+        config, device = self.model_config, self.config.device
+        dtype = getattr(torch, self.config.dtype)
+        state = DecodeState.allocate(config, 1, len(ids) + 1, max(1, self.config.num_speculative_tokens), dtype, device)
+        cos, sin = rotary_tables(config, state.cache_capacity)
+        constants = StepConstants(cos.to(device, dtype), sin.to(device, dtype), torch.zeros(0, dtype=torch.int64), len(ids) + 1)
+        tokens = torch.tensor([ids], device=device)
+        positions = torch.arange(len(ids), device=device)[None]
+        slot = torch.zeros(1, dtype=torch.int64, device=device)
+        real = torch.ones_like(positions, dtype=torch.bool)
+        layout = make_layout(state, constants, slot, positions, real, False)
+        hidden = self.model.hidden_states(tokens, layout, state.main_keys, state.main_values)
+        return ids, tokens, hidden, state, constants, slot
+
+    @torch.inference_mode()
+    def logits(self, token_ids: list[int]) -> torch.Tensor:
+        """Main-model logits [T, vocab] under teacher forcing: row i predicts token i+1."""
+        _, _, hidden, *_ = self._teacher_forced_hidden(token_ids)
+        return self.model.logits(hidden)[0]
+
+    @torch.inference_mode()
+    def mtp_logits(self, token_ids: list[int], depth: int = 1) -> torch.Tensor:
+        """What MTP depth `depth` predicts under teacher forcing: [T - depth, vocab], row i predicts token i+depth+1."""
+        num_modules = self.model_config.num_mtp_modules
+        if num_modules == 0:
+            raise CompiledSpecError("this checkpoint has no MTP modules")
+        if not isinstance(depth, int) or not 1 <= depth <= num_modules:
+            raise CompiledSpecError(f"depth={depth!r} is out of range; allowed 1..{num_modules}")
+        ids, tokens, hidden, state, constants, slot = self._teacher_forced_hidden(token_ids)
+        if len(ids) <= depth:
+            raise CompiledSpecError(f"need more than {depth} tokens for MTP depth {depth}, got {len(ids)}")
+        for current in range(1, depth + 1):
+            rows = len(ids) - current
+            positions = torch.arange(rows, device=tokens.device)[None]
+            layout = make_layout(state, constants, slot, positions, torch.ones_like(positions, dtype=torch.bool), False)
+            hidden = self.model.mtp_hidden_states(
+                current, tokens[:, current:], hidden[:, :rows], layout, state.draft_keys[0], state.draft_values[0]
+            )
+        return self.model.logits(hidden)[0]

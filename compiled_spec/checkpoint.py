@@ -1,0 +1,203 @@
+"""Hugging Face checkpoint directory (config.json + safetensors) -> CausalLM, without transformers' model classes."""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from .config import ModelConfig
+from .errors import CompiledSpecError
+from .model.causal_lm import CausalLM
+
+
+@dataclass(frozen=True)
+class MtpLayout:
+    """How one family of checkpoints stores MTP module j. `pattern` captures `index` (optional) and `rest`."""
+
+    name: str
+    pattern: re.Pattern
+    renames: dict = field(default_factory=dict)
+    ignored: tuple = ()
+    hidden_first: bool = False
+    index_counts_from_num_layers: bool = False
+
+
+_DEEPSEEK_NAMES = {"enorm": "enorm", "hnorm": "hnorm", "eh_proj": "eh_proj", "shared_head.norm": "post_norm"}
+
+MTP_LAYOUTS = (
+    # DeepSeek-V3 / GLM-4.5: model.layers.{num_hidden_layers + j}.*
+    MtpLayout(
+        "deepseek-v3",
+        re.compile(r"^model\.layers\.(?P<index>\d+)\.(?P<rest>.+)$"),
+        _DEEPSEEK_NAMES,
+        ignored=("shared_head.head.", "embed_tokens."),
+        index_counts_from_num_layers=True,
+    ),
+    # MiMo: model.mtp_layers.{j}.*, hidden state first in the projection input.
+    MtpLayout(
+        "mimo",
+        re.compile(r"^model\.mtp_layers\.(?P<index>\d+)\.(?P<rest>.+)$"),
+        {"token_layernorm": "enorm", "hidden_layernorm": "hnorm", "input_proj": "eh_proj", "final_layernorm": "post_norm"},
+        hidden_first=True,
+    ),
+    # DeepSeek-V4 style: mtp.{j}.* or model.mtp.{j}.*
+    MtpLayout(
+        "mtp-indexed",
+        re.compile(r"^(?:model\.)?mtp\.(?P<index>\d+)\.(?P<rest>.+)$"),
+        {**_DEEPSEEK_NAMES, "norm": "post_norm"},
+        ignored=("shared_head.head.", "embed_tokens.", "head."),
+    ),
+    # Qwen3-Next / Mellum: one module, mtp.fc, mtp.pre_fc_norm_*, mtp.norm, block under mtp.layers.0.
+    MtpLayout(
+        "mtp-flat",
+        re.compile(r"^(?:model\.)?mtp\.(?:layers\.(?P<index>\d+)\.)?(?P<rest>.+)$"),
+        {"fc": "eh_proj", "pre_fc_norm_embedding": "enorm", "pre_fc_norm_hidden": "hnorm", "norm": "post_norm"},
+    ),
+)
+
+_MAIN_KEY = re.compile(r"^(?:model\.)?(embed_tokens\..+|norm\..+|layers\.(?P<layer>\d+)\..+)$")
+_EXPERT_KEY = re.compile(r"^(?P<prefix>.+\.mlp)\.experts\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
+
+
+def read_config(path: Path) -> dict:
+    config_file = path / "config.json"
+    if not path.is_dir():
+        raise CompiledSpecError(f"model path {str(path)!r} is not a directory")
+    if not config_file.is_file():
+        raise CompiledSpecError(f"no config.json in {str(path)!r}; a model directory needs config.json and *.safetensors")
+    try:
+        return json.loads(config_file.read_text())
+    except json.JSONDecodeError as error:
+        raise CompiledSpecError(f"config.json in {str(path)!r} is not valid JSON: {error}") from None
+
+
+def _safetensors_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as error:
+            raise CompiledSpecError(f"{index} is not a valid safetensors index: {error}") from None
+        files = [path / name for name in sorted(set(weight_map.values()))]
+        missing = [str(f.name) for f in files if not f.is_file()]
+        if missing:
+            raise CompiledSpecError(f"shards named in {index.name} are missing: {', '.join(missing)}")
+        return files
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise CompiledSpecError(f"no *.safetensors files in {str(path)!r}")
+    return files
+
+
+def read_tensors(path: Path) -> dict[str, torch.Tensor]:
+    tensors = {}
+    for file in _safetensors_files(path):
+        try:
+            with safe_open(str(file), framework="pt", device="cpu") as handle:
+                for key in handle.keys():
+                    tensors[key] = handle.get_tensor(key)
+        except Exception as error:  # safetensors raises several types for truncated or corrupt files
+            raise CompiledSpecError(f"cannot read {file.name}: the safetensors file is truncated or corrupt ({error})") from None
+    return tensors
+
+
+def _stack_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Per-expert projections (as checkpoints store them) -> stacked gate_up [E, 2I, H] and down [E, H, I]."""
+    grouped: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
+    out = {}
+    for key, tensor in state.items():
+        match = _EXPERT_KEY.match(key)
+        if match:
+            grouped.setdefault(match["prefix"], {}).setdefault(int(match["expert"]), {})[match["proj"]] = tensor
+        elif key.endswith(".mlp.experts.gate_up_proj"):
+            out[key.replace(".experts.gate_up_proj", ".experts_gate_up")] = tensor
+        elif key.endswith(".mlp.experts.down_proj"):
+            out[key.replace(".experts.down_proj", ".experts_down")] = tensor
+        else:
+            out[key] = tensor
+    for prefix, experts in grouped.items():
+        ordered = [experts[index] for index in sorted(experts)]
+        out[f"{prefix}.experts_gate_up"] = torch.stack([torch.cat([e["gate_proj"], e["up_proj"]]) for e in ordered])
+        out[f"{prefix}.experts_down"] = torch.stack([e["down_proj"] for e in ordered])
+    return out
+
+
+def _mtp_target(key: str, num_layers: int) -> tuple[MtpLayout, int, str] | None:
+    """(layout, module index, our name under mtp.{index}.) for an MTP key, '' to ignore it; None if not MTP."""
+    for layout in MTP_LAYOUTS:
+        match = layout.pattern.match(key)
+        if not match:
+            continue
+        index = int(match["index"] or 0)
+        if layout.index_counts_from_num_layers:
+            if index < num_layers:
+                continue
+            index -= num_layers
+        rest = match["rest"]
+        if any(rest.startswith(prefix) for prefix in layout.ignored):
+            return layout, index, ""
+        for source, target in layout.renames.items():
+            if rest.startswith(source + "."):
+                return layout, index, target + rest[len(source):]
+        return layout, index, "block." + rest
+    return None
+
+
+def split_weights(tensors: dict[str, torch.Tensor], num_layers: int) -> tuple[dict, int, bool]:
+    """Checkpoint keys -> (state dict in CausalLM names, number of MTP modules, hidden-first projection)."""
+    state: dict[str, torch.Tensor] = {}
+    layouts_seen: dict[str, MtpLayout] = {}
+    for key, tensor in tensors.items():
+        main = _MAIN_KEY.match(key)
+        if key == "lm_head.weight":
+            state[key] = tensor
+        elif main and (main["layer"] is None or int(main["layer"]) < num_layers):
+            state[main.group(1)] = tensor
+        else:
+            target = _mtp_target(key, num_layers)
+            if target is None or not target[2]:
+                continue
+            layout, index, name = target
+            layouts_seen[layout.name] = layout
+            state[f"mtp.{index}.{name}"] = tensor
+    if len(layouts_seen) > 1:
+        names = ", ".join(sorted(layouts_seen))
+        raise CompiledSpecError(f"checkpoint mixes MTP layouts ({names}); expected one")
+    mtp_indices = {int(key.split(".")[1]) for key in state if key.startswith("mtp.")}
+    num_mtp = 0
+    while num_mtp in mtp_indices:
+        num_mtp += 1
+    state = {k: v for k, v in state.items() if not k.startswith("mtp.") or int(k.split(".")[1]) < num_mtp}
+    hidden_first = any(layout.hidden_first for layout in layouts_seen.values())
+    return _stack_experts(state), num_mtp, hidden_first
+
+
+def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu") -> CausalLM:
+    path = Path(path)
+    config = ModelConfig.from_hf(read_config(path))
+    state, num_mtp, hidden_first = split_weights(read_tensors(path), config.num_hidden_layers)
+    config.num_mtp_modules = num_mtp
+    with torch.device("meta"):
+        model = CausalLM(config, mtp_hidden_first=hidden_first)
+    expected = model.state_dict()
+    missing = sorted(set(expected) - set(state))
+    if missing:
+        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        raise CompiledSpecError(f"checkpoint in {str(path)!r} is missing weights: {shown}")
+    for name, tensor in expected.items():
+        if tuple(state[name].shape) != tuple(tensor.shape):
+            raise CompiledSpecError(
+                f"checkpoint tensor {name} has shape {tuple(state[name].shape)}, config.json implies {tuple(tensor.shape)}"
+            )
+    keep_fp32 = ("e_score_correction_bias", "gate.weight")
+    loaded = {
+        name: state[name].to(device=device, dtype=torch.float32 if name.endswith(keep_fp32) else dtype)
+        for name in expected
+    }
+    model.load_state_dict(loaded, assign=True, strict=True)
+    return model.eval().requires_grad_(False)

@@ -1,0 +1,176 @@
+"""Model configuration (read from a Hugging Face config.json) and engine options, with validation."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from .errors import CompiledSpecError
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Glm4MoeForCausalLM")
+
+
+class GraphMode(str, enum.Enum):
+    EAGER = "eager"
+    COMPILE = "compile"
+    PIECEWISE = "piecewise"
+    FULL = "full"
+
+    @classmethod
+    def parse(cls, value: "str | GraphMode") -> "GraphMode":
+        try:
+            return cls(value)
+        except ValueError:
+            allowed = ", ".join(m.value for m in cls)
+            raise CompiledSpecError(f"unknown graph mode {value!r}; choose one of: {allowed}") from None
+
+
+@dataclass(slots=True)
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict
+    partial_rotary_factor: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_bias: bool
+    qk_norm: bool
+    num_mtp_modules: int
+    # MoE (Glm4Moe); zero experts means every layer is dense.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    num_shared_experts: int = 0
+    first_k_dense_replace: int = 0
+    routed_scaling_factor: float = 1.0
+    norm_topk_prob: bool = True
+    num_expert_groups: int = 1
+    topk_groups: int = 1
+    scoring_func: str = "sigmoid"
+    eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    bos_token_id: int | None = None
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    def layer_is_moe(self, layer_index: int) -> bool:
+        return self.num_experts > 0 and layer_index >= self.first_k_dense_replace
+
+    @classmethod
+    def from_hf(cls, raw: dict) -> "ModelConfig":
+        architectures = raw.get("architectures") or [raw.get("model_type", "?")]
+        architecture = architectures[0]
+        if architecture not in SUPPORTED_ARCHITECTURES:
+            raise CompiledSpecError(
+                f"unsupported architecture {architecture!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        try:
+            hidden = int(raw["hidden_size"])
+            heads = int(raw["num_attention_heads"])
+            rope = dict(raw.get("rope_parameters") or {})
+            legacy_scaling = raw.get("rope_scaling") or {}
+            rope = {**legacy_scaling, **rope}
+            rope_theta = float(rope.pop("rope_theta", raw.get("rope_theta", 10000.0)))
+            partial = float(rope.pop("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0)))
+            rope_type = rope.get("rope_type", rope.get("type", "default"))
+            rope["rope_type"] = rope_type
+            attention_bias = bool(raw.get("attention_bias", False))
+            qkv_bias, o_bias = {
+                "LlamaForCausalLM": (attention_bias, attention_bias),
+                "Qwen2ForCausalLM": (True, False),
+                "Qwen3ForCausalLM": (attention_bias, attention_bias),
+                "Glm4MoeForCausalLM": (attention_bias, False),
+            }[architecture]
+            eos = raw.get("eos_token_id")
+            eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+            # The declared count; the checkpoint loader keeps only the modules whose weights exist.
+            num_mtp = raw.get("num_nextn_predict_layers", raw.get("num_mtp_layers", 0)) or 0
+            config = cls(
+                architecture=architecture,
+                vocab_size=int(raw["vocab_size"]),
+                hidden_size=hidden,
+                intermediate_size=int(raw["intermediate_size"]),
+                num_hidden_layers=int(raw["num_hidden_layers"]),
+                num_attention_heads=heads,
+                num_key_value_heads=int(raw.get("num_key_value_heads") or heads),
+                head_dim=int(raw.get("head_dim") or hidden // heads),
+                rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+                rope_theta=rope_theta,
+                rope_scaling=rope,
+                partial_rotary_factor=partial,
+                max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
+                tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+                qkv_bias=qkv_bias,
+                o_bias=o_bias,
+                qk_norm=architecture == "Qwen3ForCausalLM" or bool(raw.get("use_qk_norm", False)),
+                num_mtp_modules=int(num_mtp),
+                eos_token_ids=eos_ids,
+                bos_token_id=raw.get("bos_token_id"),
+            )
+            if architecture == "Glm4MoeForCausalLM":
+                config.num_experts = int(raw.get("n_routed_experts", 0))
+                config.num_experts_per_tok = int(raw.get("num_experts_per_tok", 0))
+                config.moe_intermediate_size = int(raw.get("moe_intermediate_size", 0))
+                config.num_shared_experts = int(raw.get("n_shared_experts", 0))
+                config.first_k_dense_replace = int(raw.get("first_k_dense_replace", 0))
+                config.routed_scaling_factor = float(raw.get("routed_scaling_factor", 1.0))
+                config.norm_topk_prob = bool(raw.get("norm_topk_prob", True))
+                config.num_expert_groups = int(raw.get("n_group", 1) or 1)
+                config.topk_groups = int(raw.get("topk_group", 1) or 1)
+                config.scoring_func = raw.get("scoring_func", "sigmoid")
+        except (KeyError, TypeError, ValueError) as error:
+            raise CompiledSpecError(f"config.json is missing or has a bad value for {error}") from None
+        if rope_type not in ("default", "linear", "llama3", "yarn"):
+            raise CompiledSpecError(
+                f"unsupported rope scaling type {rope_type!r}; supported: default, linear, llama3, yarn"
+            )
+        return config
+
+
+MAX_SPECULATIVE_TOKENS = 8
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    num_speculative_tokens: int = 3
+    graph_mode: GraphMode = GraphMode.EAGER
+    max_batch_size: int = 8
+    max_seq_len: int = 512
+    device: str = "cpu"
+    dtype: str = "float32"
+    seed: int = 0
+    batch_buckets: tuple[int, ...] | None = None
+    prefill_buckets: tuple[int, ...] | None = None
+
+    def validate(self, model_config: ModelConfig) -> None:
+        k = self.num_speculative_tokens
+        if not isinstance(k, int) or not 0 <= k <= MAX_SPECULATIVE_TOKENS:
+            raise CompiledSpecError(
+                f"num_speculative_tokens={k!r} is out of range; allowed 0..{MAX_SPECULATIVE_TOKENS}"
+            )
+        if k > 0 and model_config.num_mtp_modules == 0:
+            raise CompiledSpecError(
+                f"num_speculative_tokens={k} needs MTP weights, but this checkpoint has no MTP modules; "
+                "use num_speculative_tokens=0"
+            )
+        self.graph_mode = GraphMode.parse(self.graph_mode)
+        if not isinstance(self.max_batch_size, int) or not 1 <= self.max_batch_size <= 256:
+            raise CompiledSpecError(f"max_batch_size={self.max_batch_size!r} is out of range; allowed 1..256")
+        limit = model_config.max_position_embeddings
+        if not isinstance(self.max_seq_len, int) or not 2 <= self.max_seq_len <= limit:
+            raise CompiledSpecError(
+                f"max_seq_len={self.max_seq_len!r} is out of range; allowed 2..{limit} "
+                "(the model's max_position_embeddings)"
+            )
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise CompiledSpecError(f"dtype={self.dtype!r} is not supported; choose float32, bfloat16 or float16")

@@ -1,0 +1,53 @@
+"""The main decoder model with its MTP modules; weights only, decode state lives in spec/state.py."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..config import ModelConfig
+from .layers import DecoderLayer, PassLayout, RMSNorm
+from .mtp import MtpModule
+
+
+class CausalLM(nn.Module):
+    def __init__(self, config: ModelConfig, mtp_hidden_first: bool = False):
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, index) for index in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.mtp = nn.ModuleList(
+            MtpModule(config, index, mtp_hidden_first) for index in range(config.num_mtp_modules)
+        )
+
+    def hidden_states(
+        self,
+        token_ids: torch.Tensor,
+        layout: PassLayout,
+        key_caches: list[torch.Tensor],
+        value_caches: list[torch.Tensor],
+    ) -> torch.Tensor:
+        """token_ids [B, T] -> last hidden states after the final norm, [B, T, hidden]."""
+        x = self.embed_tokens(token_ids)
+        for layer, key_cache, value_cache in zip(self.layers, key_caches, value_caches):
+            x = layer(x, layout, key_cache, value_cache)
+        return self.norm(x)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return (hidden @ weight.t()).float()
+
+    def mtp_hidden_states(
+        self,
+        depth: int,
+        token_ids: torch.Tensor,
+        previous_hidden: torch.Tensor,
+        layout: PassLayout,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+    ) -> torch.Tensor:
+        """Runs the module for draft depth `depth` (1-based); depths past the last module reuse it."""
+        module = self.mtp[min(depth, len(self.mtp)) - 1]
+        return module(self.embed_tokens(token_ids), previous_hidden, layout, key_cache, value_cache)

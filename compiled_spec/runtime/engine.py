@@ -1,0 +1,166 @@
+"""Slot-based continuous batching over the persistent decode state.
+
+Active requests occupy slots 0..n-1. Between steps the runtime admits requests into free slots
+(prefill) and frees finished ones by moving the last active slot into the hole, so the step always
+runs on a prefix of the slots, padded up to a batch bucket; padding lanes are free slots marked done.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from ..config import EngineConfig
+from ..model.causal_lm import CausalLM
+from ..model.rope import rotary_tables
+from ..params import RequestOutput, SamplingParams, SpecStats
+from ..spec.state import DecodeState, move_slot
+from ..spec.step import StepConstants
+from .buckets import checked_buckets, default_batch_buckets, default_prefill_buckets, pick_bucket
+from .graph_modes import StepRunner
+
+TokenCallback = Callable[[int, list[int]], None]
+
+
+@dataclass
+class Request:
+    index: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    seed: int
+    output: RequestOutput
+
+
+class Engine:
+    def __init__(self, model: CausalLM, config: EngineConfig, eos_ids: tuple[int, ...], tokenizer=None):
+        self.model = model
+        self.config = config
+        self.tokenizer = tokenizer
+        self.k = config.num_speculative_tokens
+        device = torch.device(config.device)
+        dtype = getattr(torch, config.dtype)
+        self.state = DecodeState.allocate(
+            model.config, config.max_batch_size, config.max_seq_len, self.k, dtype, device
+        )
+        cos, sin = rotary_tables(model.config, self.state.cache_capacity)
+        self.constants = StepConstants(
+            rope_cos=cos.to(device=device, dtype=dtype),
+            rope_sin=sin.to(device=device, dtype=dtype),
+            eos_ids=torch.tensor(eos_ids, dtype=torch.int64, device=device),
+            max_seq_len=config.max_seq_len,
+        )
+        self.eos_ids = set(eos_ids)
+        self.batch_buckets = checked_buckets(
+            config.batch_buckets or default_batch_buckets(config.max_batch_size), config.max_batch_size, "batch_buckets"
+        )
+        self.prefill_buckets = checked_buckets(
+            config.prefill_buckets or default_prefill_buckets(config.max_seq_len), config.max_seq_len, "prefill_buckets"
+        )
+        self.runner = StepRunner(model, self.state, self.constants, config.graph_mode)
+        self.slots: list[Request] = []
+        self.step_log: list[list[tuple[int, int]]] = []  # per step: (request index, accepted) of each lane
+
+    def run(self, requests: list[Request], on_tokens: TokenCallback | None = None) -> None:
+        queue = deque(requests)
+        while queue or self.slots:
+            while queue and len(self.slots) < self.config.max_batch_size:
+                self._admit(queue.popleft(), on_tokens)
+            if self.slots:
+                self._step(on_tokens)
+
+    def _admit(self, request: Request, on_tokens: TokenCallback | None) -> None:
+        slot = len(self.slots)
+        params = request.params
+        state = self.state
+        state.temperature[slot] = float(params.temperature)
+        state.top_k[slot] = params.top_k
+        state.top_p[slot] = float(params.top_p)
+        state.seeds[slot] = request.seed
+        state.ignore_eos[slot] = params.ignore_eos
+        state.max_new_tokens[slot] = params.max_tokens
+        state.generated[slot] = 0
+        state.done[slot] = False
+        length = len(request.prompt_ids)
+        width = pick_bucket(self.prefill_buckets, length)
+        device = state.seq_lens.device
+        prompt = torch.zeros(1, width, dtype=torch.int64, device=device)
+        prompt[0, :length] = torch.tensor(request.prompt_ids, dtype=torch.int64)
+        self.runner.prefill(
+            torch.tensor([slot], device=device), prompt, torch.tensor([length], device=device)
+        )
+        self.slots.append(request)
+        self._collect(slot + 1, on_tokens, first_slot=slot, record_stats=False)
+
+    def _step(self, on_tokens: TokenCallback | None) -> None:
+        batch = pick_bucket(self.batch_buckets, len(self.slots))
+        self.runner.step(batch)
+        self._collect(len(self.slots), on_tokens, first_slot=0, record_stats=True)
+
+    def _collect(self, end: int, on_tokens, first_slot: int, record_stats: bool) -> None:
+        """Reads what slots first_slot..end-1 emitted (one device-to-host copy) and frees finished slots."""
+        s = self.state
+        packed = torch.cat(
+            [s.step_tokens[first_slot:end], s.step_emitted[first_slot:end, None],
+             s.step_accepted[first_slot:end, None], s.done[first_slot:end, None].long()], dim=1
+        ).tolist()
+        finished = []
+        lanes = []
+        for offset, row in enumerate(packed):
+            slot = first_slot + offset
+            request = self.slots[slot]
+            tokens, count, accepted, done = row[: self.k + 1], row[-3], row[-2], bool(row[-1])
+            if record_stats and self.k > 0:
+                request.output.stats.record(accepted)
+                lanes.append((request.index, accepted))
+            new_tokens = tokens[:count]
+            stopped = self._append(request, new_tokens)
+            if on_tokens is not None and new_tokens:
+                on_tokens(request.index, new_tokens)
+            if done or stopped:
+                self._finish(request, stopped)
+                finished.append(slot)
+        if record_stats:
+            self.step_log.append(lanes)
+        for slot in sorted(finished, reverse=True):
+            self._free(slot)
+
+    def _append(self, request: Request, new_tokens: list[int]) -> bool:
+        """Adds tokens; returns True when a stop string appeared (tokens after it are dropped)."""
+        output = request.output
+        stops = request.params.stop
+        if not stops or self.tokenizer is None:
+            output.token_ids.extend(new_tokens)
+            return False
+        for token in new_tokens:
+            output.token_ids.append(token)
+            text = self.tokenizer.decode(output.token_ids, skip_special_tokens=True)
+            cut = min((text.find(stop) for stop in stops if stop in text), default=-1)
+            if cut >= 0:
+                output.text = text[:cut]
+                return True
+        return False
+
+    def _finish(self, request: Request, stopped: bool) -> None:
+        output = request.output
+        if stopped:
+            output.finish_reason = "stop"
+            return
+        eos_hit = bool(output.token_ids) and output.token_ids[-1] in self.eos_ids and not request.params.ignore_eos
+        output.finish_reason = "stop" if eos_hit else "length"
+        if self.tokenizer is not None:
+            output.text = self.tokenizer.decode(output.token_ids, skip_special_tokens=True)
+
+    def _free(self, slot: int) -> None:
+        last = len(self.slots) - 1
+        if slot != last:
+            move_slot(self.state, last, slot)
+            self.slots[slot] = self.slots[last]
+        self.slots.pop()
+        self.state.done[last] = True
+
+
+def new_stats(k: int) -> SpecStats:
+    return SpecStats(num_speculative_tokens=k)

@@ -1,0 +1,81 @@
+"""Target/draft distributions and lossless speculative sampling (Leviathan et al.).
+
+Greedy rows (temperature 0) use one-hot distributions, which makes the same rejection rule exact
+argmax matching, so greedy and sampled requests share one code path.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from . import rng
+
+
+def _per_row(value: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    return value.view(value.shape[0], *([1] * (like.dim() - 1)))
+
+
+def sampling_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor):
+    """logits [B, ..., V] and per-row parameters [B] -> probabilities [B, ..., V] (float32)."""
+    logits = logits.float()
+    vocab = logits.shape[-1]
+    greedy = _per_row(temperature == 0, logits)
+    scaled = logits / _per_row(torch.where(temperature > 0, temperature, 1.0), logits)
+    sorted_logits = scaled.sort(dim=-1, descending=True).values
+    keep_top = _per_row(torch.where(top_k > 0, top_k.clamp(max=vocab), vocab), logits)
+    ranks = torch.arange(vocab, device=logits.device)
+    sorted_logits = sorted_logits.masked_fill(ranks >= keep_top, float("-inf"))
+    sorted_probs = sorted_logits.softmax(-1)
+    mass_before = sorted_probs.cumsum(-1) - sorted_probs
+    kept = ((mass_before < _per_row(top_p, logits)) & (ranks < keep_top)).sum(-1, keepdim=True).clamp(min=1)
+    kept = torch.where(_per_row(top_p, kept) >= 1, keep_top.expand_as(kept), kept)
+    threshold = sorted_logits.gather(-1, kept - 1)
+    probs = scaled.masked_fill(scaled < threshold, float("-inf")).softmax(-1)
+    one_hot = F.one_hot(logits.argmax(-1), vocab).float()
+    return torch.where(greedy, one_hot, probs)
+
+
+def race_sample(probs: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+    """Sample from probs [..., V] by the exponential race argmax(p / -log u); key [...] -> token ids [...]."""
+    u = rng.uniforms(key, probs.shape[-1])
+    return (probs / -torch.log(u)).argmax(-1)
+
+
+def verify_drafts(
+    target_probs: torch.Tensor,
+    draft_probs: torch.Tensor,
+    draft_tokens: torch.Tensor,
+    seeds: torch.Tensor,
+    first_position: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rejection sampling over k drafts.
+
+    target_probs [B, k+1, V] at the draft positions plus one; draft_probs [B, k, V]; draft_tokens [B, k];
+    first_position [B]: position of the first draft token.
+    Returns (accepted count n [B], next token [B]): the token drawn at index n, from the residual
+    norm(max(p - q, 0)) after a rejection or from p when all drafts were accepted.
+    """
+    batch, width, vocab = target_probs.shape
+    k = width - 1
+    offsets = torch.arange(width, device=target_probs.device)
+    positions = first_position[:, None] + offsets
+    if k > 0:
+        p_draft = target_probs[:, :k].gather(-1, draft_tokens[:, :, None])[..., 0]
+        q_draft = draft_probs.gather(-1, draft_tokens[:, :, None])[..., 0]
+        u = rng.uniform(rng.stream_key(seeds[:, None], positions[:, :k], rng.ACCEPT))
+        accepted = u * q_draft < p_draft
+        n = accepted.long().cumprod(1).sum(1)
+        q_padded = torch.cat([draft_probs, torch.zeros_like(draft_probs[:, :1])], dim=1)
+    else:
+        n = torch.zeros(batch, dtype=torch.long, device=target_probs.device)
+        q_padded = torch.zeros_like(target_probs)
+    pick = n[:, None, None].expand(batch, 1, vocab)
+    p_n = target_probs.gather(1, pick)[:, 0]
+    q_n = q_padded.gather(1, pick)[:, 0]
+    residual = (p_n - q_n).clamp(min=0)
+    total = residual.sum(-1, keepdim=True)
+    residual = torch.where(total > 0, residual / total.clamp(min=1e-30), p_n)
+    position_n = first_position + n
+    next_token = race_sample(residual, rng.stream_key(seeds, position_n, rng.TARGET))
+    return n, next_token

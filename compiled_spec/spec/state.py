@@ -1,0 +1,114 @@
+"""DecodeState: the one home of decode state.
+
+Every value that can change between steps lives in one of these persistent tensors. The compiled
+step reads them and mutates them in place; the runtime writes a slot's row only when it admits or
+frees a request, between steps. Slot i is batch row i: active requests occupy slots 0..B-1.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+
+from ..config import ModelConfig
+
+
+@dataclass(eq=False)
+class DecodeState:
+    # The last committed token t_{L-1}, not yet in the main KV cache, and L = committed length.
+    pending_tokens: torch.Tensor  # [slots] int64
+    seq_lens: torch.Tensor  # [slots] int64
+    # Drafts for the next step, t_L .. t_{L+k-1}, and the draft distributions they were sampled from.
+    draft_tokens: torch.Tensor  # [slots, k] int64
+    draft_probs: torch.Tensor  # [slots, k, vocab] float32
+    # Depth-d MTP hidden state at row L-d-1, for d = 1..k-1: the row before depth d+1's window.
+    carry_hidden: torch.Tensor  # [slots, max(k-1, 0), hidden]
+    generated: torch.Tensor  # [slots] int64, tokens emitted so far
+    max_new_tokens: torch.Tensor  # [slots] int64
+    done: torch.Tensor  # [slots] bool
+    # Sampling parameters, per slot.
+    temperature: torch.Tensor  # [slots] float32, 0 = greedy
+    top_k: torch.Tensor  # [slots] int64, 0 = off
+    top_p: torch.Tensor  # [slots] float32
+    seeds: torch.Tensor  # [slots] int64
+    ignore_eos: torch.Tensor  # [slots] bool
+    # What the last call emitted, read by the host with one copy: tokens [slots, k+1], then counts.
+    step_tokens: torch.Tensor  # [slots, k+1] int64
+    step_emitted: torch.Tensor  # [slots] int64
+    step_accepted: torch.Tensor  # [slots] int64
+    # KV caches [slots, capacity, kv_heads, head_dim]: one per main layer, one per draft depth.
+    main_keys: list[torch.Tensor]
+    main_values: list[torch.Tensor]
+    draft_keys: list[torch.Tensor]
+    draft_values: list[torch.Tensor]
+
+    @property
+    def num_slots(self) -> int:
+        return self.seq_lens.shape[0]
+
+    @property
+    def cache_capacity(self) -> int:
+        return self.main_keys[0].shape[1]
+
+    @property
+    def trash_position(self) -> int:
+        """Cache position that absorbs writes that must not land anywhere; no query ever reaches it."""
+        return self.cache_capacity - 1
+
+    def tensors(self) -> list[torch.Tensor]:
+        out = []
+        for field in fields(self):
+            value = getattr(self, field.name)
+            out.extend(value if isinstance(value, list) else [value])
+        return out
+
+    @classmethod
+    def allocate(
+        cls,
+        config: ModelConfig,
+        num_slots: int,
+        max_seq_len: int,
+        num_speculative_tokens: int,
+        dtype: torch.dtype,
+        device: str | torch.device,
+    ) -> "DecodeState":
+        k = num_speculative_tokens
+        # Rows up to position max_seq_len - 1 + k are written by a step; one more is the trash position.
+        capacity = max_seq_len + k + 1
+        cache_shape = (num_slots, capacity, config.num_key_value_heads, config.head_dim)
+
+        def zeros(*shape, dtype=torch.int64):
+            return torch.zeros(*shape, dtype=dtype, device=device)
+
+        def caches(count):
+            return [zeros(*cache_shape, dtype=dtype) for _ in range(count)]
+
+        return cls(
+            pending_tokens=zeros(num_slots),
+            seq_lens=torch.ones(num_slots, dtype=torch.int64, device=device),
+            draft_tokens=zeros(num_slots, k),
+            draft_probs=zeros(num_slots, k, config.vocab_size, dtype=torch.float32),
+            carry_hidden=zeros(num_slots, max(k - 1, 0), config.hidden_size, dtype=dtype),
+            generated=zeros(num_slots),
+            max_new_tokens=zeros(num_slots),
+            done=torch.ones(num_slots, dtype=torch.bool, device=device),
+            temperature=zeros(num_slots, dtype=torch.float32),
+            top_k=zeros(num_slots),
+            top_p=torch.ones(num_slots, dtype=torch.float32, device=device),
+            seeds=zeros(num_slots),
+            ignore_eos=zeros(num_slots, dtype=torch.bool),
+            step_tokens=zeros(num_slots, k + 1),
+            step_emitted=zeros(num_slots),
+            step_accepted=zeros(num_slots),
+            main_keys=caches(config.num_hidden_layers),
+            main_values=caches(config.num_hidden_layers),
+            draft_keys=caches(k),
+            draft_values=caches(k),
+        )
+
+
+def move_slot(state: DecodeState, source: int, target: int) -> None:
+    """Copies every per-slot row from `source` to `target` (the runtime keeps active slots contiguous)."""
+    for tensor in state.tensors():
+        tensor[target] = tensor[source]

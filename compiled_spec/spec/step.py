@@ -1,0 +1,255 @@
+"""The speculative step and prefill: pure functions of (model weights, DecodeState).
+
+Positions: committed tokens are t_0..t_{L-1} (L = seq_lens); the main KV cache holds 0..L-2 and
+t_{L-1} is the pending token. A step verifies [t_{L-1}, d_1..d_k] at positions L-1..L-1+k, accepts
+n drafts and one more token, so L' = L + n + 1, then drafts t_{L'}..t_{L'+k-1} for the next step.
+
+Draft depth m row i pairs h^{m-1}_i with t_{i+m} (h^0 is the main model's hidden state). Each depth
+has its own KV cache. After verification, depth m re-runs rows L-m .. L-1+k (the "draft-extend"
+window, width k+m), so every row whose inputs are all verified is (re)written from verified values,
+and rows that used a draft token are rewritten next step before anything reads them.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from ..model.causal_lm import CausalLM
+from ..model.layers import PassLayout
+from . import rng
+from .sampler import race_sample, sampling_probs, verify_drafts
+from .state import DecodeState
+
+
+class StepConstants(NamedTuple):
+    """Values fixed for an engine's lifetime that the step reads."""
+
+    rope_cos: torch.Tensor  # [capacity, rotary_dim]
+    rope_sin: torch.Tensor
+    eos_ids: torch.Tensor  # [num_eos] int64
+    max_seq_len: int
+
+
+def make_layout(
+    state: DecodeState,
+    constants: StepConstants,
+    slot_ids: torch.Tensor,
+    positions: torch.Tensor,
+    writable: torch.Tensor,
+    slots_are_prefix: bool,
+) -> PassLayout:
+    """Rows at `positions` [B, T]; rows that are not `writable` or lie before position 0 write to the trash."""
+    clamped = positions.clamp(min=0)
+    write_index = torch.where(writable & (positions >= 0), positions, state.trash_position)
+    cache_positions = torch.arange(state.cache_capacity, device=positions.device)
+    attend = (cache_positions[None, None, :] <= clamped[:, :, None])[:, None]
+    return PassLayout(
+        slot_ids=slot_ids,
+        write_index=write_index,
+        attend=attend,
+        cos=constants.rope_cos[clamped],
+        sin=constants.rope_sin[clamped],
+        slots_are_prefix=slots_are_prefix,
+    )
+
+
+def _row_params(state: DecodeState, rows: torch.Tensor):
+    return state.temperature[rows], state.top_k[rows], state.top_p[rows]
+
+
+def _draft_chain(
+    model: CausalLM,
+    state: DecodeState,
+    constants: StepConstants,
+    slot_ids: torch.Tensor,
+    slots_are_prefix: bool,
+    first_row: torch.Tensor,
+    window_tokens: torch.Tensor,
+    main_hidden: torch.Tensor,
+    carry_hidden: torch.Tensor | None,
+    producing_index: torch.Tensor,
+    writable_rows: torch.Tensor,
+    next_position: torch.Tensor,
+):
+    """Runs draft depths 1..k over their windows and samples one draft per depth.
+
+    first_row [B]: row of window index 0 at depth 1 (depth m starts at first_row - m + 1).
+    window_tokens [B, W + k]: token t_{first_row + 1 + j} at index j; drafts are written in as they are made.
+    main_hidden [B, W, H]: h^0 at rows first_row .. first_row + W - 1.
+    carry_hidden [B, k-1, H] or None: h^d at row first_row - d, the extra row depth d+1 needs in front.
+    producing_index [B]: depth-1 window index whose output predicts the first draft (n in a step).
+    writable_rows [B, W]: depth-1 rows that may be written (prompt padding may not).
+    next_position [B]: position of the first draft token.
+    Returns draft tokens [B, k], draft probs [B, k, V], new carry [B, k-1, H] (depth d output at producing_index).
+    """
+    k = state.draft_tokens.shape[1]
+    batch, width, _ = main_hidden.shape
+    rows = slot_ids
+    temperature, top_k, top_p = _row_params(state, rows)
+    seeds = state.seeds[rows]
+    offsets = torch.arange(width + k, device=main_hidden.device)
+    previous = main_hidden
+    drafts, probs, carries = [], [], []
+    for depth in range(1, k + 1):
+        window = width + depth - 1
+        start = first_row - (depth - 1)
+        positions = start[:, None] + offsets[:window]
+        # Depth m row i reads t_{i+m}: window index j holds row start + j, token index j + m - 1 - (m - 1) = j.
+        tokens = window_tokens[:, :window]
+        writable = torch.cat([torch.ones_like(writable_rows[:, :1]).expand(batch, depth - 1), writable_rows], dim=1)
+        layout = make_layout(state, constants, slot_ids, positions, writable, slots_are_prefix)
+        if depth > 1:
+            previous = torch.cat([carry_hidden[:, depth - 2 : depth - 1], previous], dim=1)
+        hidden = model.mtp_hidden_states(
+            depth, tokens, previous, layout, state.draft_keys[depth - 1], state.draft_values[depth - 1]
+        )
+        pick = (producing_index + depth - 1)[:, None, None].expand(batch, 1, hidden.shape[-1])
+        logits = model.logits(hidden.gather(1, pick)[:, 0])
+        depth_probs = sampling_probs(logits, temperature, top_k, top_p)
+        position = next_position + depth - 1
+        token = race_sample(depth_probs, rng.stream_key(seeds, position, rng.DRAFT + depth))
+        window_tokens = torch.where(offsets[None, :] == producing_index[:, None] + depth, token[:, None], window_tokens)
+        drafts.append(token)
+        probs.append(depth_probs)
+        if depth < k:
+            # The row the next step's depth depth+1 window needs in front: index n of this depth's window.
+            carry_pick = producing_index[:, None, None].expand(batch, 1, hidden.shape[-1])
+            carries.append(hidden.gather(1, carry_pick)[:, 0])
+        previous = hidden
+    carry = torch.stack(carries, dim=1) if carries else None
+    return torch.stack(drafts, dim=1), torch.stack(probs, dim=1), carry
+
+
+def _stop_count(tokens, emitted, eos_ids, ignore_eos, generated, max_new_tokens, seq_lens, max_seq_len):
+    """Truncate `emitted` [B] tokens of `tokens` [B, W] at the first EOS and at the length limits.
+
+    Returns (count [B], finished [B]).
+    """
+    width = tokens.shape[1]
+    offsets = torch.arange(width, device=tokens.device)
+    is_eos = (tokens[:, :, None] == eos_ids).any(-1) & (offsets < emitted[:, None]) & ~ignore_eos[:, None]
+    first_eos = torch.where(is_eos, offsets, width).min(1).values
+    budget = torch.minimum(max_new_tokens - generated, max_seq_len - seq_lens)
+    count = torch.minimum(torch.minimum(emitted, first_eos + 1), budget.clamp(min=0))
+    finished = (first_eos < count) | (count >= budget)
+    return count, finished
+
+
+def _write_rows(buffer: torch.Tensor, rows: torch.Tensor, value: torch.Tensor) -> None:
+    buffer.index_copy_(0, rows, value.to(buffer.dtype))
+
+
+def speculative_step(model: CausalLM, state: DecodeState, constants: StepConstants, batch_size: int) -> None:
+    """One step for slots 0..batch_size-1; slots marked done are left unchanged."""
+    k = state.draft_tokens.shape[1]
+    rows = torch.arange(batch_size, device=state.seq_lens.device)
+    seq_lens = state.seq_lens[:batch_size]
+    active = ~state.done[:batch_size]
+    temperature, top_k, top_p = _row_params(state, rows)
+    seeds = state.seeds[rows]
+
+    drafts = state.draft_tokens[:batch_size]
+    verify_tokens = torch.cat([state.pending_tokens[:batch_size, None], drafts], dim=1)
+    offsets = torch.arange(k + 1, device=rows.device)
+    positions = (seq_lens - 1)[:, None] + offsets
+    layout = make_layout(state, constants, rows, positions, torch.ones_like(positions, dtype=torch.bool), True)
+    hidden = model.hidden_states(verify_tokens, layout, state.main_keys, state.main_values)
+    target_probs = sampling_probs(model.logits(hidden), temperature, top_k, top_p)
+    accepted, next_token = verify_drafts(target_probs, state.draft_probs[:batch_size], drafts, seeds, seq_lens)
+
+    # Emitted this step: d_1..d_n, then the residual/bonus token at index n.
+    padded_drafts = torch.cat([drafts, torch.zeros_like(seq_lens)[:, None]], dim=1)
+    emitted_tokens = torch.where(offsets[None, :] < accepted[:, None], padded_drafts, 0)
+    emitted_tokens = torch.where(offsets[None, :] == accepted[:, None], next_token[:, None], emitted_tokens)
+    count, finished = _stop_count(
+        emitted_tokens, accepted + 1, constants.eos_ids, state.ignore_eos[:batch_size],
+        state.generated[:batch_size], state.max_new_tokens[:batch_size], seq_lens, constants.max_seq_len,
+    )
+    count = torch.where(active, count, 0)
+    new_seq_lens = torch.where(active, seq_lens + accepted + 1, seq_lens)
+
+    if k > 0:
+        window_tokens = torch.cat([emitted_tokens, torch.zeros_like(emitted_tokens[:, :k])], dim=1)
+        new_drafts, new_probs, new_carry = _draft_chain(
+            model, state, constants, rows, True,
+            first_row=seq_lens - 1,
+            window_tokens=window_tokens,
+            main_hidden=hidden,
+            carry_hidden=state.carry_hidden[:batch_size],
+            producing_index=accepted,
+            writable_rows=torch.ones_like(positions, dtype=torch.bool),
+            next_position=new_seq_lens,
+        )
+        keep = active[:, None]
+        _write_rows(state.draft_tokens, rows, torch.where(keep, new_drafts, drafts))
+        _write_rows(state.draft_probs, rows, torch.where(keep[:, :, None], new_probs, state.draft_probs[:batch_size]))
+        if new_carry is not None:
+            old_carry = state.carry_hidden[:batch_size]
+            _write_rows(state.carry_hidden, rows, torch.where(keep[:, :, None], new_carry, old_carry))
+
+    _write_rows(state.pending_tokens, rows, torch.where(active, next_token, state.pending_tokens[:batch_size]))
+    _write_rows(state.seq_lens, rows, new_seq_lens)
+    _write_rows(state.generated, rows, state.generated[:batch_size] + count)
+    _write_rows(state.done, rows, state.done[:batch_size] | (active & finished))
+    _write_rows(state.step_tokens, rows, emitted_tokens)
+    _write_rows(state.step_emitted, rows, count)
+    _write_rows(state.step_accepted, rows, torch.where(active, accepted, 0))
+
+
+def prefill(
+    model: CausalLM,
+    state: DecodeState,
+    constants: StepConstants,
+    slot: torch.Tensor,
+    prompt_ids: torch.Tensor,
+    prompt_len: torch.Tensor,
+) -> None:
+    """Fills slot [1] from prompt_ids [1, T] (the first prompt_len [1] tokens are real) and samples the
+    first token and the first drafts. Sampling parameters and limits of the slot are set beforehand."""
+    k = state.draft_tokens.shape[1]
+    width = prompt_ids.shape[1]
+    positions = torch.arange(width, device=prompt_ids.device)[None, :]
+    real = positions < prompt_len[:, None]
+    layout = make_layout(state, constants, slot, positions, real, False)
+    hidden = model.hidden_states(prompt_ids, layout, state.main_keys, state.main_values)
+    last = (prompt_len - 1)[:, None, None].expand(1, 1, hidden.shape[-1])
+    temperature, top_k, top_p = _row_params(state, slot)
+    probs = sampling_probs(model.logits(hidden.gather(1, last)[:, 0]), temperature, top_k, top_p)
+    seeds = state.seeds[slot]
+    first_token = race_sample(probs, rng.stream_key(seeds, prompt_len, rng.TARGET))
+    new_seq_len = prompt_len + 1
+    count, finished = _stop_count(
+        first_token[:, None], torch.ones_like(prompt_len), constants.eos_ids, state.ignore_eos[slot],
+        torch.zeros_like(prompt_len), state.max_new_tokens[slot], prompt_len, constants.max_seq_len,
+    )
+
+    if k > 0:
+        # Depth-1 row i reads t_{i+1}: the prompt shifted by one, with the first token after it.
+        shifted = torch.cat([prompt_ids[:, 1:], torch.zeros_like(prompt_ids[:, : k + 1])], dim=1)
+        offsets = torch.arange(shifted.shape[1], device=prompt_ids.device)
+        window_tokens = torch.where(offsets[None, :] == (prompt_len - 1)[:, None], first_token[:, None], shifted)
+        drafts, draft_probs, carry = _draft_chain(
+            model, state, constants, slot, False,
+            first_row=torch.zeros_like(prompt_len),
+            window_tokens=window_tokens,
+            main_hidden=hidden,
+            carry_hidden=torch.zeros_like(state.carry_hidden[slot]),
+            producing_index=prompt_len - 1,
+            writable_rows=real,
+            next_position=new_seq_len,
+        )
+        _write_rows(state.draft_tokens, slot, drafts)
+        _write_rows(state.draft_probs, slot, draft_probs)
+        if carry is not None:
+            _write_rows(state.carry_hidden, slot, carry)
+
+    _write_rows(state.pending_tokens, slot, first_token)
+    _write_rows(state.seq_lens, slot, new_seq_len)
+    _write_rows(state.generated, slot, count)
+    _write_rows(state.done, slot, finished)
+    step_tokens = torch.cat([first_token[:, None], torch.zeros_like(state.step_tokens[slot][:, 1:])], dim=1)
+    _write_rows(state.step_tokens, slot, step_tokens)
+    _write_rows(state.step_emitted, slot, count)
+    _write_rows(state.step_accepted, slot, torch.zeros_like(count))
