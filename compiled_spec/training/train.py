@@ -1,0 +1,287 @@
+"""Train the embedded default model (Llama + MTP modules on Shakespeare) and export it.
+
+    python -m compiled_spec.training.train --config compiled_spec/training/train_config.json [--resume]
+    python -m compiled_spec.training.train --config ... --measure-steps 5   # seconds/step only
+"""
+import argparse
+import json
+import math
+import os
+import random
+import shutil
+import time
+from pathlib import Path
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import save_file
+from tqdm import tqdm
+from transformers import GenerationConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+from compiled_spec.training.corpus import fetch_texts_dir, read_works, split_works
+from compiled_spec.training.mtp_reference import LlamaWithMtp, build_llama_config, export_state_dict
+from compiled_spec.training.train_tokenizer import train_byte_level_bpe
+
+CHECKPOINT_NAME = "checkpoint.pt"
+
+
+def tokenize_stream(tokenizer, texts: list[str]) -> torch.Tensor:
+    """All texts as one token stream, each followed by EOS."""
+    ids = []
+    for text in texts:
+        ids.extend(tokenizer(text, add_special_tokens=False)["input_ids"])
+        ids.append(tokenizer.eos_token_id)
+    return torch.tensor(ids, dtype=torch.long)
+
+
+def sample_batch(stream: torch.Tensor, batch_size: int, sequence_length: int, generator: torch.Generator):
+    starts = torch.randint(0, len(stream) - sequence_length, (batch_size,), generator=generator)
+    return torch.stack([stream[s : s + sequence_length] for s in starts.tolist()])
+
+
+def evaluation_windows(stream: torch.Tensor, sequence_length: int, max_windows: int | None) -> torch.Tensor:
+    windows = stream[: len(stream) // sequence_length * sequence_length].view(-1, sequence_length)
+    if max_windows is not None and max_windows < len(windows):
+        windows = windows[torch.linspace(0, len(windows) - 1, max_windows).long()]
+    return windows
+
+
+def learning_rate_at(step: int, training: dict) -> float:
+    peak = training["learning_rate"]
+    if step < training["warmup_steps"]:
+        return peak * (step + 1) / training["warmup_steps"]
+    progress = (step - training["warmup_steps"]) / max(1, training["max_steps"] - training["warmup_steps"])
+    floor = peak * training["min_learning_rate_ratio"]
+    return floor + (peak - floor) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+
+def depth_losses(logits_per_depth, input_ids, distill_fraction: float) -> list[torch.Tensor]:
+    """Loss per depth. Depth m row i targets t[i+m+1]; MTP depths also distill from the main
+    model's (detached) distribution at row i+m, the token greedy verification will compare with."""
+    main_logits = logits_per_depth[0][:, :-1]
+    losses = [F.cross_entropy(main_logits.flatten(0, 1), input_ids[:, 1:].flatten())]
+    for depth, logits in enumerate(logits_per_depth[1:], start=1):
+        logits = logits[:, :-1].flatten(0, 1)
+        cross_entropy = F.cross_entropy(logits, input_ids[:, depth + 1 :].flatten())
+        loss = cross_entropy
+        if distill_fraction > 0:
+            teacher = main_logits[:, depth:].detach().flatten(0, 1).log_softmax(-1)
+            distill = F.kl_div(logits.log_softmax(-1), teacher, log_target=True, reduction="batchmean")
+            loss = (1 - distill_fraction) * cross_entropy + distill_fraction * distill
+        losses.append(loss)
+    return losses
+
+
+@torch.no_grad()
+def evaluate(model: LlamaWithMtp, windows: torch.Tensor, batch_size: int) -> dict:
+    """Teacher-forced metrics per depth: CE loss and top-1 accuracy against the text, and for MTP
+    depths top-1 agreement with the main model's greedy token at the same target position."""
+    model.eval()
+    num_depths = 1 + len(model.mtp_modules)
+    loss_sum, correct, agree, count = [0.0] * num_depths, [0] * num_depths, [0] * num_depths, [0] * num_depths
+    for batch in windows.split(batch_size):
+        logits_per_depth = model(batch)
+        main_greedy = logits_per_depth[0][:, :-1].argmax(-1)
+        for depth, logits in enumerate(logits_per_depth):
+            logits = logits[:, :-1]
+            targets = batch[:, depth + 1 :]
+            loss_sum[depth] += F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum").item()
+            predicted = logits.argmax(-1)
+            correct[depth] += (predicted == targets).sum().item()
+            agree[depth] += (predicted == main_greedy[:, depth:]).sum().item()
+            count[depth] += targets.numel()
+    model.train()
+    return {
+        "loss": [s / n for s, n in zip(loss_sum, count)],
+        "top1_accuracy": [c / n for c, n in zip(correct, count)],
+        "top1_agreement_with_main_greedy": [a / n for a, n in zip(agree[1:], count[1:])],
+        "tokens_per_depth": count,
+    }
+
+
+def plot_loss_curve(history: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axis = plt.subplots(figsize=(8, 5))
+    depth_names = ["main"] + [f"MTP depth {m}" for m in range(1, len(history["train"][0]["loss_per_depth"]))]
+    for depth, name in enumerate(depth_names):
+        color = f"C{depth}"
+        steps = [row["step"] for row in history["train"]]
+        axis.plot(steps, [row["loss_per_depth"][depth] for row in history["train"]], color=color, alpha=0.5,
+                  label=f"train {name}")
+        if history["validation"]:
+            axis.plot([row["step"] for row in history["validation"]],
+                      [row["loss"][depth] for row in history["validation"]], "o-", color=color, label=f"val {name}")
+    axis.set_xlabel("step")
+    axis.set_ylabel("cross-entropy (nats/token)")
+    axis.set_title("Llama + MTP on Shakespeare")
+    axis.grid(alpha=0.3)
+    axis.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+
+
+def check_export_matches(model: LlamaWithMtp, output_dir: Path, windows: torch.Tensor) -> float:
+    """transformers must load the export (MTP keys only 'unexpected') with identical main logits."""
+    loaded = LlamaForCausalLM.from_pretrained(str(output_dir)).eval()
+    model.eval()
+    with torch.no_grad():
+        sample = windows[:2]
+        difference = (loaded(sample).logits - model(sample)[0]).abs().max().item()
+    model.train()
+    if difference > 1e-4:
+        raise RuntimeError(f"exported main logits differ from the training model by {difference}")
+    return difference
+
+
+def export_default_model(model, tokenizer, output_dir: Path, log: dict, check_windows: torch.Tensor) -> None:
+    output_dir.mkdir(parents=True, exist_ok=True)
+    staging = output_dir.parent / (output_dir.name + ".staging")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir()
+    model.config.save_pretrained(str(staging))
+    save_file(export_state_dict(model), str(staging / "model.safetensors"), metadata={"format": "pt"})
+    tokenizer.save_pretrained(str(staging))
+    GenerationConfig(bos_token_id=model.config.bos_token_id, eos_token_id=model.config.eos_token_id,
+                     do_sample=False).save_pretrained(str(staging))
+    log["export_check_max_abs_logit_difference"] = check_export_matches(model, staging, check_windows)
+    plot_loss_curve(log["history"], staging / "loss_curve.png")
+    (staging / "training_log.json").write_text(json.dumps(log, indent=2))
+    for path in staging.iterdir():
+        os.replace(path, output_dir / path.name)  # per file, so readers never see a half-written file
+    staging.rmdir()
+
+
+def save_checkpoint(path: Path, model, optimizer, step: int, generator: torch.Generator, log: dict) -> None:
+    state = {
+        "model": model.state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "step": step,
+        "batch_generator": generator.get_state(),
+        "torch_rng": torch.get_rng_state(),
+        "python_rng": random.getstate(),
+        "log": log,
+    }
+    temporary = path.with_suffix(".tmp")
+    torch.save(state, temporary)
+    os.replace(temporary, path)
+
+
+def prepare_tokenizer_and_data(config: dict, work_dir: Path, resume: bool):
+    works = read_works(fetch_texts_dir(work_dir))
+    train_texts, validation_texts = split_works(works, config["corpus"]["validation_works"])
+    tokenizer_dir = work_dir / "tokenizer"
+    if resume and (tokenizer_dir / "tokenizer.json").exists():
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(str(tokenizer_dir))
+    else:
+        tokenizer = train_byte_level_bpe(train_texts, config["tokenizer"]["vocab_size"])
+        tokenizer.save_pretrained(str(tokenizer_dir))
+    return tokenizer, tokenize_stream(tokenizer, train_texts), tokenize_stream(tokenizer, validation_texts)
+
+
+def train(config: dict, resume: bool, measure_steps: int | None = None) -> dict:
+    training = config["training"]
+    torch.set_num_threads(training["num_threads"])
+    random.seed(config["seed"])
+    torch.manual_seed(config["seed"])
+    work_dir, output_dir = Path(config["work_dir"]), Path(config["output_dir"])
+    work_dir.mkdir(parents=True, exist_ok=True)
+
+    tokenizer, train_stream, validation_stream = prepare_tokenizer_and_data(config, work_dir, resume)
+    llama_config = build_llama_config(config["model"], len(tokenizer), tokenizer.eos_token_id)
+    model = LlamaWithMtp(llama_config, config["model"]["num_nextn_predict_layers"])
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    optimizer = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": training["weight_decay"]}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=training["learning_rate"], betas=tuple(training["adam_betas"]),
+    )
+    generator = torch.Generator().manual_seed(config["seed"])
+    sequence_length, batch_size = training["sequence_length"], training["batch_size"]
+    validation_windows = evaluation_windows(validation_stream, sequence_length, None)
+    periodic_windows = evaluation_windows(validation_stream, sequence_length, training["eval_windows"])
+    log = {
+        "config": config,
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "train_tokens": len(train_stream),
+        "validation_tokens": len(validation_stream),
+        "history": {"train": [], "validation": []},
+    }
+
+    start_step, checkpoint_path = 0, work_dir / CHECKPOINT_NAME
+    if resume and checkpoint_path.exists():
+        state = torch.load(checkpoint_path, weights_only=False)
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        generator.set_state(state["batch_generator"])
+        torch.set_rng_state(state["torch_rng"])
+        random.setstate(state["python_rng"])
+        start_step, log = state["step"], state["log"]
+        log["config"] = config
+
+    last_step = training["max_steps"] if measure_steps is None else start_step + measure_steps
+    model.train()
+    progress = tqdm(range(start_step, last_step), initial=start_step, total=last_step, mininterval=5)
+    step_seconds = []
+    for step in progress:
+        step_start = time.time()
+        for group in optimizer.param_groups:
+            group["lr"] = learning_rate_at(step, training)
+        batch = sample_batch(train_stream, batch_size, sequence_length, generator)
+        losses = depth_losses(model(batch), batch, training["mtp_distill_fraction"])
+        total = losses[0] + sum(w * loss for w, loss in zip(training["mtp_loss_weights"], losses[1:]))
+        optimizer.zero_grad(set_to_none=True)
+        total.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), training["grad_clip_norm"])
+        optimizer.step()
+        step_seconds.append(time.time() - step_start)
+        progress.set_postfix(loss=f"{total.item():.3f}", main=f"{losses[0].item():.3f}")
+        done = step + 1
+
+        if done % training["log_every"] == 0 or done == last_step:
+            log["history"]["train"].append({
+                "step": done, "learning_rate": learning_rate_at(step, training), "loss": total.item(),
+                "loss_per_depth": [loss.item() for loss in losses],
+                "seconds_per_step": sum(step_seconds) / len(step_seconds), "wall_time": time.time(),
+            })
+            step_seconds = []
+        if measure_steps is not None:
+            log.setdefault("measured_step_seconds", []).append(step_seconds[-1] if step_seconds else None)
+            continue
+        if done % training["eval_every"] == 0 or done == last_step:
+            metrics = evaluate(model, periodic_windows if done != last_step else validation_windows, batch_size)
+            log["history"]["validation"].append({"step": done, "windows": "all" if done == last_step else
+                                                 training["eval_windows"], **metrics})
+            tqdm.write(f"step {done} validation {json.dumps(metrics)}")
+        if done % training["checkpoint_every"] == 0 or done == last_step:
+            save_checkpoint(checkpoint_path, model, optimizer, done, generator, log)
+        if done == training["midpoint_export_step"] or done == last_step:
+            log["exported_at_step"] = done
+            if done == last_step:
+                log["final_validation"] = log["history"]["validation"][-1]
+            export_default_model(model, tokenizer, output_dir, log, periodic_windows)
+            tqdm.write(f"step {done}: exported {output_dir}")
+    return log
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", type=Path, required=True)
+    parser.add_argument("--resume", action="store_true", help="continue from <work_dir>/checkpoint.pt")
+    parser.add_argument("--measure-steps", type=int, help="run this many steps and print seconds/step; exports nothing")
+    args = parser.parse_args()
+    config = json.loads(args.config.read_text())
+    log = train(config, args.resume, args.measure_steps)
+    if args.measure_steps is not None:
+        measured = [s for s in log["measured_step_seconds"][1:] if s is not None]
+        print(f"seconds/step (mean of steps after the first): {sum(measured) / len(measured):.3f}")
+
+
+if __name__ == "__main__":
+    main()
