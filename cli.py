@@ -1,0 +1,182 @@
+"""The `compiled-spec` command. Each subcommand is one function here (`generate`; `bench` to come) or, when it
+grows, a module of its own added with `main.add_command`; what they print lives in compiled_spec/cli_format.py.
+
+compiled_spec (and so torch) is imported inside the commands, so `--help` answers at once.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import click
+from click.exceptions import NoArgsIsHelpError
+
+# Mirrors compiled_spec.config (GraphMode, MAX_SPECULATIVE_TOKENS) without importing torch; a test keeps them equal.
+GRAPH_MODES = ("eager", "compile", "piecewise", "full")
+MAX_SPECULATIVE_TOKENS = 8
+
+
+class InputError(click.ClickException):
+    """Bad input found by the engine (a CompiledSpecError): reported like a usage error."""
+
+    exit_code = 2
+
+
+class CompiledSpecCommand(click.Group):
+    """Prints every input error as one `error: ...` line on stderr (exit 2), never a traceback."""
+
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        try:
+            code = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        except NoArgsIsHelpError as error:
+            click.echo(error.ctx.get_help())
+            code = 0
+        except click.ClickException as error:
+            message = error.format_message()
+            if isinstance(error, click.UsageError) and error.ctx is not None:
+                message = f"{message.rstrip('.')} (see '{error.ctx.command_path} --help')"
+            click.echo(f"error: {message}", err=True)
+            code = error.exit_code
+        except click.Abort:
+            click.echo("aborted", err=True)
+            code = 130
+        except BrokenPipeError:
+            # The reader went away (`| head`): point stdout at /dev/null so the exit flush is quiet.
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            code = 1
+        if not standalone_mode:
+            return code
+        sys.exit(code or 0)
+
+
+@click.group(cls=CompiledSpecCommand, context_settings=dict(help_option_names=["-h", "--help"], max_content_width=100))
+@click.version_option(package_name="compiled-spec")
+def main():
+    """MTP speculative decoding, compiled with torch.compile.
+
+    Speculative decoding: the model's MTP (multi-token-prediction) modules cheaply draft k tokens
+    ahead, the main model checks all k in one forward pass, and the longest prefix it agrees with
+    is kept, plus one token of its own. The text is what plain decoding would give (token for token
+    when greedy); only the number of main-model passes changes.
+
+    k, the number of tokens drafted per step, is set with -k. A step emits 1 to k+1 tokens; the
+    stats line after the text tells how many drafts were accepted at each position.
+
+    \b
+    Examples:
+      compiled-spec generate "ROMEO:" --max-tokens 64
+      compiled-spec generate "ROMEO:" "JULIET:" -k 2 --temperature 0.8 --top-p 0.95 --seed 7
+      compiled-spec generate "ROMEO:" --json
+      compiled-spec generate --model ./my-checkpoint --prompt-ids 2,17,5
+    """
+
+
+@main.command()
+@click.argument("prompts", nargs=-1, metavar="[PROMPT]...")
+@click.option("--prompt-ids", "prompt_ids", multiple=True, metavar="IDS",
+              help="A prompt as comma-separated token ids, e.g. 2,17,5 (repeatable); for checkpoints without "
+                   "a tokenizer.")
+@click.option("-m", "--model", type=click.Path(), default=None,
+              help="Checkpoint directory (config.json + *.safetensors). Default: the embedded Shakespeare model.")
+@click.option("-k", "--num-speculative-tokens", "num_speculative_tokens", type=int, default=3, show_default=True,
+              help=f"Tokens drafted per step by the MTP module(s), 0..{MAX_SPECULATIVE_TOKENS}; "
+                   "0 turns speculation off.")
+@click.option("--temperature", type=float, default=0.0, show_default=True, help="0 is greedy.")
+@click.option("--top-p", "top_p", type=float, default=1.0, show_default=True, help="Nucleus sampling, in (0, 1].")
+@click.option("--top-k", "top_k", type=int, default=0, show_default=True,
+              help="Keep the k most likely tokens; 0 is off.")
+@click.option("--max-tokens", "max_tokens", type=int, default=64, show_default=True,
+              help="New tokens per prompt, at most.")
+@click.option("--seed", type=click.IntRange(0, 2**32 - 1), default=0, show_default=True,
+              help="Base seed for sampling; each prompt gets its own seed derived from it.")
+@click.option("--graph-mode", "graph_mode", type=click.Choice(GRAPH_MODES), default="eager", show_default=True,
+              help="eager: no compilation; compile: torch.compile; piecewise: compiled pieces, attention outside; "
+                   "full: the whole speculative step as one graph.")
+@click.option("--max-batch-size", "max_batch_size", type=int, default=8, show_default=True,
+              help="Prompts decoded together; more prompts wait for a free slot.")
+@click.option("--max-seq-len", "max_seq_len", type=int, default=512, show_default=True,
+              help="Prompt plus generated tokens, per request.")
+@click.option("--stop", multiple=True, metavar="TEXT",
+              help=r"Stop when this text appears (repeatable); it is not printed. \n and \t mean newline and tab.")
+@click.option("--ignore-eos", "ignore_eos", is_flag=True, help="Keep going past the end-of-sequence token.")
+@click.option("--json", "as_json", is_flag=True,
+              help="Print one JSON object per prompt, then one with the aggregate (JSON lines).")
+def generate(prompts, prompt_ids, model, num_speculative_tokens, temperature, top_p, top_k, max_tokens, seed,
+             graph_mode, max_batch_size, max_seq_len, stop, ignore_eos, as_json):
+    """Generate text for each PROMPT with MTP speculative decoding.
+
+    Each step the MTP module(s) draft k tokens; the main model verifies them in one pass and keeps
+    the longest agreeing prefix plus one token of its own, so a step emits 1..k+1 tokens. Good
+    drafts make a larger k faster; poor ones waste the extra work. After the text comes one stats
+    line: tokens/s (wall time, prefill included, compilation too in compiled graph modes), the
+    acceptance rate of each draft position, and the mean accepted length (tokens per step).
+
+    A single prompt streams as tokens are accepted. Exit status: 0 ok, 1 if a prompt failed
+    (the others are still printed), 2 for bad input.
+
+    \b
+    Examples:
+      compiled-spec generate "ROMEO:"
+      compiled-spec generate "ROMEO:" "JULIET:" -k 2 --temperature 0.8 --seed 7 --stop "\\n\\n"
+      compiled-spec generate --model ./tiny --prompt-ids 2,17,5 --prompt-ids 9,9 --json
+    """
+    all_prompts = [*prompts, *(parse_ids(text) for text in prompt_ids)]
+    if not all_prompts:
+        raise click.UsageError("no prompt given; pass PROMPT text or --prompt-ids 1,2,3")
+    for number, prompt in enumerate(all_prompts, 1):
+        if not prompt:
+            raise click.UsageError(f"prompt {number} is empty ({prompt!r}); a prompt needs at least one token")
+
+    from compiled_spec import LLM, CompiledSpecError, SamplingParams
+    from compiled_spec import cli_format
+
+    try:
+        params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens,
+                                stop=[unescape(text) for text in stop] or None, ignore_eos=ignore_eos)
+        llm = LLM(model, num_speculative_tokens=num_speculative_tokens, graph_mode=graph_mode,
+                  max_batch_size=max_batch_size, max_seq_len=max_seq_len, seed=seed)
+        if llm.tokenizer is None and any(isinstance(p, str) for p in all_prompts):
+            raise CompiledSpecError(f"model {str(llm.path)!r} has no tokenizer; pass prompts as --prompt-ids 1,2,3")
+    except CompiledSpecError as error:
+        raise InputError(str(error)) from None
+
+    streamer = None
+    if len(all_prompts) == 1 and not as_json:
+        streamer = cli_format.Streamer(all_prompts[0], llm.tokenizer, params.stop, click.echo)
+    start = time.perf_counter()
+    outputs = llm.generate(all_prompts, params, on_tokens=streamer.on_tokens if streamer else None)
+    elapsed = time.perf_counter() - start
+
+    summary = cli_format.Summary(llm.num_speculative_tokens, graph_mode, outputs, elapsed)
+    for index, (prompt, output) in enumerate(zip(all_prompts, outputs)):
+        if as_json:
+            click.echo(cli_format.to_json(cli_format.request_record(index, prompt, output)))
+        elif streamer is not None:
+            streamer.finish(output)
+        else:
+            click.echo(cli_format.request_header(index, len(outputs), output))
+            if output.finish_reason != "error":
+                click.echo(cli_format.completion(prompt, output, llm.tokenizer))
+        if output.finish_reason == "error":
+            click.echo(f"error: prompt {index + 1}: {output.error}", err=True)
+    click.echo(cli_format.to_json({"aggregate": summary.record()}) if as_json else summary.line())
+    if summary.errors:
+        click.get_current_context().exit(1)
+
+
+def parse_ids(text: str) -> list[int]:
+    try:
+        return [int(part) for part in text.replace(" ", "").split(",") if part]
+    except ValueError:
+        message = f"{text!r} is not a comma-separated list of token ids"
+        raise click.BadParameter(message, param_hint="'--prompt-ids'") from None
+
+
+def unescape(text: str) -> str:
+    return text.replace("\\n", "\n").replace("\\t", "\t")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,154 @@
+"""What the `compiled-spec` command prints: streamed text, per-request records, the stats line."""
+
+from __future__ import annotations
+
+import json
+from typing import Callable
+
+from .params import RequestOutput, SpecStats
+
+Prompt = str | list[int]
+
+
+def prompt_text(prompt: Prompt, tokenizer) -> str:
+    if isinstance(prompt, str):
+        return prompt
+    if tokenizer is not None:
+        return tokenizer.decode(prompt, skip_special_tokens=True)
+    return " ".join(map(str, prompt)) + " ->"
+
+
+def completion(prompt: Prompt, output: RequestOutput, tokenizer) -> str:
+    """The prompt followed by what was generated; token ids when the model has no tokenizer."""
+    if tokenizer is None:
+        return prompt_text(prompt, None) + "".join(f" {token}" for token in output.token_ids)
+    return prompt_text(prompt, tokenizer) + output.text
+
+
+def request_header(index: int, total: int, output: RequestOutput) -> str:
+    if output.finish_reason == "error":
+        return f"--- prompt {index + 1} of {total}: error"
+    return f"--- prompt {index + 1} of {total}: {len(output.token_ids)} tokens, finish_reason={output.finish_reason}"
+
+
+def held_back(text: str, stops: list[str]) -> int:
+    """Characters at the end of `text` that may be the start of a stop string."""
+    longest = 0
+    for stop in stops:
+        for size in range(min(len(stop) - 1, len(text)), longest, -1):
+            if text.endswith(stop[:size]):
+                longest = size
+                break
+    return longest
+
+
+class Streamer:
+    """Prints one request as tokens are accepted.
+
+    Text that could still turn out to be part of a stop string (which is not printed) or an
+    unfinished multi-byte character is held back until the next tokens decide it.
+    """
+
+    def __init__(self, prompt: Prompt, tokenizer, stops: list[str] | None, echo: Callable[..., None]):
+        self.tokenizer = tokenizer
+        self.stops = stops or []
+        self.echo = echo
+        self.token_ids: list[int] = []
+        self.printed = 0
+        echo(prompt_text(prompt, tokenizer), nl=False)
+
+    def on_tokens(self, request_index: int, new_token_ids: list[int]) -> None:
+        self.token_ids.extend(new_token_ids)
+        if self.tokenizer is None:
+            self.echo("".join(f" {token}" for token in new_token_ids), nl=False)
+            return
+        text = self.tokenizer.decode(self.token_ids, skip_special_tokens=True)
+        safe = len(text.rstrip("\ufffd"))
+        cuts = [text.find(stop) for stop in self.stops if stop in text]
+        if cuts:
+            safe = min(safe, *cuts)
+        else:
+            safe = min(safe, len(text) - held_back(text, self.stops))
+        self._emit(text[:safe])
+
+    def finish(self, output: RequestOutput) -> None:
+        if self.tokenizer is not None and output.finish_reason != "error":
+            self._emit(output.text)
+        self.echo("")
+
+    def _emit(self, text: str) -> None:
+        if len(text) > self.printed:
+            self.echo(text[self.printed:], nl=False)
+            self.printed = len(text)
+
+
+def stats_record(stats: SpecStats) -> dict:
+    return {
+        "num_speculative_tokens": stats.num_speculative_tokens,
+        "steps": stats.steps,
+        "drafted": stats.drafted,
+        "accepted": stats.accepted,
+        "acceptance_rate_per_position": stats.acceptance_rate_per_position,
+        "mean_accepted_length": stats.mean_accepted_length,
+    }
+
+
+def request_record(index: int, prompt: Prompt, output: RequestOutput) -> dict:
+    return {
+        "index": index,
+        "prompt": prompt,
+        "prompt_token_ids": output.prompt_token_ids,
+        "text": output.text,
+        "token_ids": output.token_ids,
+        "finish_reason": output.finish_reason,
+        "error": output.error,
+        "stats": stats_record(output.stats),
+    }
+
+
+class Summary:
+    """All requests of one command together: tokens/s and the merged speculation statistics."""
+
+    def __init__(self, num_speculative_tokens: int, graph_mode: str, outputs: list[RequestOutput], elapsed_s: float):
+        self.graph_mode = graph_mode
+        self.elapsed_s = elapsed_s
+        self.requests = len(outputs)
+        self.errors = sum(output.finish_reason == "error" for output in outputs)
+        self.generated_tokens = sum(len(output.token_ids) for output in outputs)
+        self.stats = SpecStats(num_speculative_tokens)
+        for output in outputs:
+            if output.finish_reason != "error":
+                self.stats.merge(output.stats)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.generated_tokens / self.elapsed_s if self.elapsed_s > 0 else 0.0
+
+    def line(self) -> str:
+        parts = [f"{self.generated_tokens} tokens in {self.elapsed_s:.2f} s ({self.tokens_per_s:.1f} tokens/s)"]
+        k = self.stats.num_speculative_tokens
+        if k == 0:
+            parts.append("k=0: no speculation")
+        else:
+            rates = " ".join(f"{rate:.0%}" for rate in self.stats.acceptance_rate_per_position)
+            parts.append(f"k={k}, acceptance by draft position: {rates}")
+            parts.append(f"mean accepted length {self.stats.mean_accepted_length:.2f} tokens/step "
+                         f"over {self.stats.steps} steps")
+        if self.errors:
+            parts.append(f"{self.errors} of {self.requests} prompts failed")
+        return "stats: " + " | ".join(parts)
+
+    def record(self) -> dict:
+        return {
+            "requests": self.requests,
+            "errors": self.errors,
+            "generated_tokens": self.generated_tokens,
+            "elapsed_s": self.elapsed_s,
+            "tokens_per_s": self.tokens_per_s,
+            "graph_mode": self.graph_mode,
+            "stats": stats_record(self.stats),
+        }
+
+
+def to_json(record: dict) -> str:
+    return json.dumps(record, ensure_ascii=False)
