@@ -7,6 +7,7 @@ layouts real checkpoints use.
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 
@@ -55,7 +56,10 @@ def _decoder_classes(model):
 def build_mtp_layers(model, num_modules: int, seed: int = 1) -> list[MtpLayer]:
     """transformers MtpLayer modules for `model`'s architecture, randomly initialised."""
     layer_cls, norm_cls = _decoder_classes(model)
-    config = model.config
+    config = copy.deepcopy(model.config)
+    if getattr(config, "layer_types", None) is not None:
+        # Qwen2/Qwen3 decoder layers look up their attention type by index; MTP blocks use full attention.
+        config.layer_types = list(config.layer_types) + ["full_attention"] * (num_modules + 1)
     torch.manual_seed(seed)
     layers = []
     for index in range(num_modules):
@@ -119,15 +123,55 @@ def _expert_keys(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
+def mimic_main_model(model, layers: list[MtpLayer], noise: float, seed: int = 2) -> None:
+    """Makes every MTP module a near copy of the main model's single decoder layer, so drafts are mostly right.
+
+    With eh_proj = [I | small] and enorm scaled to the (equalised) embedding norm, depth m row i computes
+    roughly what the main model computes at row i+m, and predicts what the main model will. Attention still
+    matters (its output is only damped), so KV mistakes in either cache change the logits.
+    """
+    if model.config.num_hidden_layers != 1:
+        raise ValueError("mimic_main_model needs a one-layer main model")
+    hidden = model.config.hidden_size
+    generator = torch.Generator().manual_seed(seed)
+
+    def jitter(tensor):
+        return tensor + noise * tensor.abs().mean() * torch.randn(tensor.shape, generator=generator)
+
+    with torch.no_grad():
+        embeddings = model.model.embed_tokens.weight
+        rms = embeddings.pow(2).mean(-1, keepdim=True).sqrt()
+        embeddings.mul_(rms.mean() / rms)
+        model.model.layers[0].self_attn.o_proj.weight.mul_(0.3)
+        block_state = model.model.layers[0].state_dict()
+        for layer in layers:
+            layer.enorm.weight.fill_(rms.mean().item())
+            layer.hnorm.weight.fill_(1.0)
+            layer.post_norm.weight.copy_(model.model.norm.weight)
+            from_hidden = 0.1 * rms.mean() / hidden**0.5 * torch.randn(hidden, hidden, generator=generator)
+            projection = torch.cat([torch.eye(hidden), from_hidden], dim=1)
+            if getattr(layer.config, "mtp_hidden_states_first", False):
+                projection = projection.roll(hidden, dims=1)
+            layer.eh_proj.weight.copy_(projection)
+            layer.mtp_block.load_state_dict({name: jitter(tensor) for name, tensor in block_state.items()})
+
+
 def write_checkpoint(
     directory: Path,
     architecture: str = "llama",
     num_mtp_modules: int = 2,
     layout: str = "deepseek",
     seed: int = 0,
+    max_shard_size: str | None = None,
+    mtp_noise: float | None = None,
     **overrides,
 ):
-    """Writes a tiny checkpoint; returns (transformers model, list of MtpLayer)."""
+    """Writes a tiny checkpoint; returns (transformers model, list of MtpLayer).
+
+    max_shard_size: save sharded (model.safetensors.index.json), MTP weights in a shard of their own.
+    mtp_noise: None for random MTP modules; a float for modules that mimic the main model (see
+    mimic_main_model; needs num_hidden_layers=1), so drafts are often accepted.
+    """
     config_cls, model_cls, extra = ARCHITECTURES[architecture]
     config = config_cls(**{**TINY, **extra, **overrides})
     if architecture == "glm4_moe":
@@ -140,13 +184,26 @@ def write_checkpoint(
                 gate = getattr(layer.mlp, "gate", None)
                 if gate is not None:
                     gate.e_score_correction_bias.normal_(0.0, 0.05)
-    model.save_pretrained(directory)
     layers = build_mtp_layers(model, num_mtp_modules, seed + 1) if num_mtp_modules else []
+    for layer in layers:
+        # MiMo concatenates [hidden, embedding]; transformers' MtpLayer reads this flag.
+        layer.config.mtp_hidden_states_first = layout == "mimo"
+    if mtp_noise is not None:
+        mimic_main_model(model, layers, mtp_noise, seed + 2)
+    directory.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(directory, **({"max_shard_size": max_shard_size} if max_shard_size else {}))
     if layers:
-        weights_file = directory / "model.safetensors"
-        state = _expert_keys(load_file(str(weights_file)))
         extra_weights = _expert_keys(mtp_state_dict(layers, layout, config.num_hidden_layers))
-        save_file({**state, **extra_weights}, str(weights_file), metadata={"format": "pt"})
+        index_file = directory / "model.safetensors.index.json"
+        if index_file.is_file():
+            save_file(extra_weights, str(directory / "model-mtp.safetensors"), metadata={"format": "pt"})
+            index = json.loads(index_file.read_text())
+            index["weight_map"].update({key: "model-mtp.safetensors" for key in extra_weights})
+            index_file.write_text(json.dumps(index, indent=2))
+        else:
+            weights_file = directory / "model.safetensors"
+            state = _expert_keys(load_file(str(weights_file)))
+            save_file({**state, **extra_weights}, str(weights_file), metadata={"format": "pt"})
         raw = json.loads((directory / "config.json").read_text())
         raw["num_nextn_predict_layers"] = num_mtp_modules
         (directory / "config.json").write_text(json.dumps(raw, indent=2))
