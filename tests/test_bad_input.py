@@ -1,0 +1,143 @@
+"""Bad input gets a CompiledSpecError naming the bad value and what is allowed; one bad request never harms the others."""
+
+import json
+import shutil
+
+import pytest
+
+from compiled_spec.api import LLM
+from compiled_spec.config import MAX_SPECULATIVE_TOKENS
+from compiled_spec.errors import CompiledSpecError
+from compiled_spec.params import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_checkpoint):
+    return LLM(tiny_checkpoint("llama").path, num_speculative_tokens=2, max_seq_len=16, max_batch_size=2)
+
+
+def copy_checkpoint(source, target):
+    shutil.copytree(source, target)
+    return target
+
+
+def test_empty_prompt_list(llm):
+    with pytest.raises(CompiledSpecError, match="empty prompt list"):
+        llm.generate([])
+
+
+@pytest.mark.parametrize(
+    "prompt,message",
+    [
+        ([], "empty prompt; a prompt needs at least one token"),
+        ("", "empty prompt; a prompt needs at least one token"),
+        (list(range(16)), r"prompt of 16 tokens is too long; max_seq_len=16 allows prompts of at most 15 tokens"),
+        ([3, 96], r"token ids must be integers in 0\.\.95"),
+        ([3, -1], r"token ids must be integers in 0\.\.95"),
+        ("hello", "has no tokenizer; pass prompts as lists of token ids"),
+    ],
+)
+def test_bad_prompt_is_reported_on_its_output(llm, prompt, message):
+    (output,) = llm.generate([prompt], SamplingParams(max_tokens=3))
+    assert output.finish_reason == "error"
+    assert output.token_ids == []
+    assert output.error is not None
+    import re
+
+    assert re.search(message, output.error), output.error
+
+
+def test_bad_request_does_not_harm_the_others(llm):
+    good = [[5, 6, 7], [9], [40, 41, 42, 43, 44]]
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    alone = [llm.generate([prompt], params)[0].token_ids for prompt in good]
+    mixed = llm.generate([good[0], [], good[1], list(range(20)), [1, 500], good[2]], params)
+    assert [o.finish_reason for o in mixed] == ["length", "error", "length", "error", "error", "length"]
+    assert [mixed[i].token_ids for i in (0, 2, 5)] == alone
+    assert "too long" in mixed[3].error and "0..95" in mixed[4].error
+
+
+@pytest.mark.parametrize("k", [-1, MAX_SPECULATIVE_TOKENS + 1, 2.0])
+def test_speculative_tokens_out_of_range(tiny_checkpoint, k):
+    with pytest.raises(CompiledSpecError, match=rf"num_speculative_tokens={k!r} is out of range; allowed 0\.\.{MAX_SPECULATIVE_TOKENS}"):
+        LLM(tiny_checkpoint("llama").path, num_speculative_tokens=k, max_seq_len=16)
+
+
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        (dict(temperature=-0.5), r"temperature=-0\.5 is invalid; allowed: >= 0"),
+        (dict(top_p=0.0), r"top_p=0\.0 is out of range; allowed \(0, 1\]"),
+        (dict(top_p=1.5), r"top_p=1\.5 is out of range; allowed \(0, 1\]"),
+        (dict(top_k=-2), r"top_k=-2 is invalid"),
+        (dict(max_tokens=0), r"max_tokens=0 is invalid; allowed: a positive integer"),
+        (dict(seed=2**63), r"seed=9223372036854775808 is out of range; allowed 0\.\.2\*\*63-1"),
+        (dict(seed=-1), r"seed=-1 is out of range"),
+        (dict(stop=[""]), r"stop=\[''\] is invalid"),
+    ],
+)
+def test_bad_sampling_params(kwargs, message):
+    with pytest.raises(CompiledSpecError, match=message):
+        SamplingParams(**kwargs)
+
+
+def test_unknown_graph_mode(tiny_checkpoint):
+    with pytest.raises(CompiledSpecError, match=r"unknown graph mode 'turbo'; choose one of: eager, compile, piecewise, full"):
+        LLM(tiny_checkpoint("llama").path, graph_mode="turbo")
+
+
+@pytest.mark.parametrize("max_seq_len", [1, 10_000])
+def test_max_seq_len_out_of_range(tiny_checkpoint, max_seq_len):
+    with pytest.raises(CompiledSpecError, match=rf"max_seq_len={max_seq_len} is out of range; allowed 2\.\.256"):
+        LLM(tiny_checkpoint("llama").path, max_seq_len=max_seq_len)
+
+
+def test_path_without_config(tmp_path):
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    with pytest.raises(CompiledSpecError, match="no config.json in"):
+        LLM(tmp_path)
+    with pytest.raises(CompiledSpecError, match="is not a directory"):
+        LLM(tmp_path / "missing")
+
+
+def test_unsupported_architecture(tiny_checkpoint, tmp_path):
+    path = copy_checkpoint(tiny_checkpoint("llama").path, tmp_path / "gpt2")
+    raw = json.loads((path / "config.json").read_text())
+    raw["architectures"] = ["GPT2LMHeadModel"]
+    (path / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(CompiledSpecError, match=r"unsupported architecture 'GPT2LMHeadModel'; supported: LlamaForCausalLM"):
+        LLM(path)
+
+
+@pytest.mark.parametrize("damage", ["truncate", "corrupt_header", "empty"])
+def test_damaged_safetensors(tiny_checkpoint, tmp_path, damage):
+    path = copy_checkpoint(tiny_checkpoint("llama").path, tmp_path / damage)
+    weights = path / "model.safetensors"
+    data = weights.read_bytes()
+    if damage == "truncate":
+        data = data[: len(data) // 2]
+    elif damage == "corrupt_header":
+        data = data[:8] + b"\x07not json at all" + data[24:]
+    else:
+        data = b""
+    weights.write_bytes(data)
+    with pytest.raises(CompiledSpecError, match=r"cannot read model\.safetensors: the safetensors file is truncated or corrupt"):
+        LLM(path)
+
+
+def test_missing_weight(tiny_checkpoint, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    path = copy_checkpoint(tiny_checkpoint("llama").path, tmp_path / "missing")
+    state = load_file(str(path / "model.safetensors"))
+    del state["model.layers.1.self_attn.q_proj.weight"]
+    save_file(state, str(path / "model.safetensors"))
+    with pytest.raises(CompiledSpecError, match=r"missing weights: layers\.1\.self_attn\.q_proj\.weight"):
+        LLM(path)
+
+
+def test_speculation_needs_mtp_weights(tiny_checkpoint):
+    path = tiny_checkpoint("llama_no_mtp").path
+    with pytest.raises(CompiledSpecError, match=r"num_speculative_tokens=2 needs MTP weights, but this checkpoint has no MTP modules"):
+        LLM(path, num_speculative_tokens=2)
+    LLM(path, num_speculative_tokens=0, max_seq_len=16)  # fine without speculation
