@@ -147,14 +147,17 @@ def speculative_step(model: CausalLM, state: DecodeState, constants: StepConstan
     rows = torch.arange(batch_size, device=state.seq_lens.device)
     seq_lens = state.seq_lens[:batch_size]
     active = ~state.done[:batch_size]
+    # Done rows (padding lanes) may hold a stale length up to max_seq_len + k: run them at position 0, writing nothing.
+    first_row = torch.where(active, seq_lens - 1, 0)
+    writable = active[:, None].expand(batch_size, k + 1)
     temperature, top_k, top_p = _row_params(state, rows)
     seeds = state.seeds[rows]
 
     drafts = state.draft_tokens[:batch_size]
     verify_tokens = torch.cat([state.pending_tokens[:batch_size, None], drafts], dim=1)
     offsets = torch.arange(k + 1, device=rows.device)
-    positions = (seq_lens - 1)[:, None] + offsets
-    layout = make_layout(state, constants, rows, positions, torch.ones_like(positions, dtype=torch.bool), True)
+    positions = first_row[:, None] + offsets
+    layout = make_layout(state, constants, rows, positions, writable, True)
     hidden = model.hidden_states(verify_tokens, layout, state.main_keys, state.main_values)
     target_probs = sampling_probs(model.logits(hidden), temperature, top_k, top_p)
     accepted, next_token = verify_drafts(target_probs, state.draft_probs[:batch_size], drafts, seeds, seq_lens)
@@ -174,12 +177,12 @@ def speculative_step(model: CausalLM, state: DecodeState, constants: StepConstan
         window_tokens = torch.cat([emitted_tokens, torch.zeros_like(emitted_tokens[:, :k])], dim=1)
         new_drafts, new_probs, new_carry = _draft_chain(
             model, state, constants, rows, True,
-            first_row=seq_lens - 1,
+            first_row=first_row,
             window_tokens=window_tokens,
             main_hidden=hidden,
             carry_hidden=state.carry_hidden[:batch_size],
             producing_index=accepted,
-            writable_rows=torch.ones_like(positions, dtype=torch.bool),
+            writable_rows=writable,
             next_position=new_seq_lens,
         )
         keep = active[:, None]
