@@ -115,8 +115,9 @@ class Engine:
             if record_stats and self.k > 0:
                 request.output.stats.record(accepted)
                 lanes.append((request.index, accepted))
-            new_tokens = tokens[:count]
-            stopped = self._append(request, new_tokens)
+            kept = len(request.output.token_ids)
+            stopped = self._append(request, tokens[:count])
+            new_tokens = request.output.token_ids[kept:]  # a stop string drops the tokens after it
             if on_tokens is not None and new_tokens:
                 on_tokens(request.index, new_tokens)
             if done or stopped:
