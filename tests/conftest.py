@@ -28,6 +28,7 @@ CHECKPOINTS = {
     "llama_sharded": dict(architecture="llama", max_shard_size="40KB"),
     "llama_mimo": dict(architecture="llama", layout="mimo"),
     "llama_mtp_indexed": dict(architecture="llama", layout="mtp-indexed"),
+    "qwen3_mtp_flat": dict(architecture="qwen3", layout="mtp-flat", num_mtp_modules=1),
     "llama_no_mtp": dict(architecture="llama", num_mtp_modules=0),
     "qwen2": dict(architecture="qwen2"),
     "qwen2_yarn": dict(architecture="qwen2", rope_parameters=YARN_ROPE),

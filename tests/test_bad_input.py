@@ -141,3 +141,15 @@ def test_speculation_needs_mtp_weights(tiny_checkpoint):
     with pytest.raises(CompiledSpecError, match=r"num_speculative_tokens=2 needs MTP weights, but this checkpoint has no MTP modules"):
         LLM(path, num_speculative_tokens=2)
     LLM(path, num_speculative_tokens=0, max_seq_len=16)  # fine without speculation
+
+
+def test_mixed_mtp_layouts(tiny_checkpoint, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    path = copy_checkpoint(tiny_checkpoint("llama").path, tmp_path / "mixed")
+    state = load_file(str(path / "model.safetensors"))
+    mimo = load_file(str(tiny_checkpoint("llama_mimo").path / "model.safetensors"))
+    state.update({key: value for key, value in mimo.items() if key.startswith("model.mtp_layers.")})
+    save_file(state, str(path / "model.safetensors"))
+    with pytest.raises(CompiledSpecError, match=r"checkpoint mixes MTP layouts \(deepseek-v3, mimo\); expected one"):
+        LLM(path)

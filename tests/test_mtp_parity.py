@@ -13,6 +13,7 @@ VARIANTS = [
     ("llama", "deepseek"),
     ("llama_mimo", "mimo"),
     ("llama_mtp_indexed", "mtp-indexed"),
+    ("qwen3_mtp_flat", "mtp-flat"),
     ("llama_sharded", "deepseek"),
     ("llama_tied", "deepseek"),
     ("qwen3", "deepseek"),
@@ -24,10 +25,11 @@ VARIANTS = [
 def test_mtp_logits_match_transformers_mtp_layer(tiny_checkpoint, name, layout):
     checkpoint = tiny_checkpoint(name)
     llm = LLM(checkpoint.path, num_speculative_tokens=2, max_seq_len=32)
-    assert llm.model_config.num_mtp_modules == len(checkpoint.mtp_layers) == 2
+    num_modules = len(checkpoint.mtp_layers)
+    assert llm.model_config.num_mtp_modules == num_modules == (1 if layout == "mtp-flat" else 2)
     assert all(module.hidden_first == (layout == "mimo") for module in llm.model.mtp)
     expected = mtp_logits_per_depth(checkpoint.model, checkpoint.mtp_layers, IDS, depths=2)
-    for depth in (1, 2):
+    for depth in range(1, num_modules + 1):
         ours = llm.mtp_logits(IDS, depth=depth)
         assert ours.shape == (len(IDS) - depth, checkpoint.model.config.vocab_size)
         assert (ours - expected[depth - 1]).abs().max().item() <= 1e-4, (name, depth)

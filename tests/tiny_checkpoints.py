@@ -78,7 +78,7 @@ def build_mtp_layers(model, num_modules: int, seed: int = 1) -> list[MtpLayer]:
 
 
 def mtp_state_dict(layers: list[MtpLayer], layout: str, num_hidden_layers: int) -> dict[str, torch.Tensor]:
-    """MtpLayer weights under the key names of `layout`: deepseek, mimo, mtp-indexed."""
+    """MtpLayer weights under the key names of `layout`: deepseek, mimo, mtp-indexed, mtp-flat."""
     out = {}
     for index, layer in enumerate(layers):
         for name, tensor in layer.state_dict().items():
@@ -98,6 +98,16 @@ def mtp_state_dict(layers: list[MtpLayer], layout: str, num_hidden_layers: int) 
             elif layout == "mtp-indexed":
                 rest = {"post_norm.weight": "norm.weight"}.get(rest, rest)
                 key = f"mtp.{index}.{rest}"
+            elif layout == "mtp-flat":  # Qwen3-Next: one module
+                if len(layers) != 1:
+                    raise ValueError("the mtp-flat layout holds one MTP module")
+                names = {
+                    "enorm.weight": "pre_fc_norm_embedding.weight",
+                    "hnorm.weight": "pre_fc_norm_hidden.weight",
+                    "eh_proj.weight": "fc.weight",
+                    "post_norm.weight": "norm.weight",
+                }
+                key = f"mtp.{names[rest]}" if rest in names else f"mtp.layers.0.{rest}"
             else:
                 raise ValueError(layout)
             out[key] = tensor.detach().clone().contiguous()
