@@ -52,3 +52,19 @@ def test_request_alone_equals_request_in_a_batch(tiny_checkpoint):
     for index in (0, 2, 5):
         _, (alone,) = engine_greedy(path, 3, [PROMPTS[index]], [MAX_TOKENS[index]])
         assert alone.token_ids == batched[index].token_ids
+
+
+def test_seeded_sampled_request_alone_equals_request_in_a_batch(tiny_checkpoint):
+    """Sampling is keyed by (seed, position): a request's tokens do not depend on its neighbours."""
+    path = tiny_checkpoint("predictive").path
+    llm = LLM(path, num_speculative_tokens=3, max_seq_len=MAX_SEQ_LEN, max_batch_size=MAX_BATCH)
+    params = [
+        SamplingParams(max_tokens=n, temperature=(0.0 if i % 3 == 0 else 1.0), top_k=(5 if i == 4 else 0), seed=100 + i)
+        for i, n in enumerate(MAX_TOKENS)
+    ]
+    batched = llm.generate(PROMPTS, params)
+    for prompt, param, output in zip(PROMPTS, params, batched):
+        (alone,) = llm.generate([prompt], param)
+        assert alone.token_ids == output.token_ids
+    again = llm.generate(PROMPTS, params)
+    assert [o.token_ids for o in again] == [o.token_ids for o in batched]

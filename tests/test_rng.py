@@ -85,3 +85,16 @@ def test_race_sampling_draws_from_the_distribution():
     counts = torch.bincount(tokens, minlength=6).numpy()
     assert counts[5] == 0
     assert stats.chisquare(counts[:5], probs[:5].numpy() * n).pvalue > ALPHA
+
+
+def test_large_seeds_end_to_end(tiny_checkpoint):
+    from compiled_spec.api import LLM
+    from compiled_spec.params import SamplingParams
+
+    llm = LLM(tiny_checkpoint("predictive").path, num_speculative_tokens=2, max_seq_len=40, max_batch_size=4)
+    seeds = [5, 5 + 2**32, 2**62 + 5, 2**63 - 1]
+    params = [SamplingParams(temperature=1.0, max_tokens=24, seed=seed, ignore_eos=True) for seed in seeds]
+    first = [o.token_ids for o in llm.generate([[3, 4]] * len(seeds), params)]
+    second = [o.token_ids for o in llm.generate([[3, 4]] * len(seeds), params)]
+    assert first == second
+    assert len({tuple(tokens) for tokens in first}) == len(seeds)

@@ -78,6 +78,16 @@ def test_eos_inside_an_accepted_draft_run_ends_the_request_there(tiny_checkpoint
     assert plain.token_ids == output.token_ids and plain.finish_reason == "stop"
 
 
+def test_eos_as_the_first_token_ends_the_request_at_prefill(tiny_checkpoint, tmp_path):
+    checkpoint = tiny_checkpoint("predictive")
+    prompt = PROMPTS[3]
+    (full,) = LLM(checkpoint.path, num_speculative_tokens=2, max_seq_len=40).generate([prompt], SamplingParams(ignore_eos=True))
+    eos = full.token_ids[0]
+    path = linked_copy(checkpoint.path, tmp_path / "eos", **{"generation_config.json": json.dumps({"eos_token_id": [eos]})})
+    (output,) = LLM(path, num_speculative_tokens=2, max_seq_len=40).generate([prompt], SamplingParams())
+    assert output.token_ids == [eos] and output.finish_reason == "stop" and output.stats.steps == 0
+
+
 def _starts(chunks):
     start = 0
     for chunk in chunks:
