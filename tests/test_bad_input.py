@@ -153,3 +153,13 @@ def test_mixed_mtp_layouts(tiny_checkpoint, tmp_path):
     save_file(state, str(path / "model.safetensors"))
     with pytest.raises(CompiledSpecError, match=r"checkpoint mixes MTP layouts \(deepseek-v3, mimo\); expected one"):
         LLM(path)
+
+
+def test_sampling_params_count_must_match_prompts(llm):
+    with pytest.raises(CompiledSpecError, match="2 sampling params for 3 prompts; pass one, or one per prompt"):
+        llm.generate([[1], [2], [3]], [SamplingParams(), SamplingParams()])
+
+
+def test_unsupported_dtype(tiny_checkpoint):
+    with pytest.raises(CompiledSpecError, match=r"dtype='float64' is not supported; choose float32, bfloat16 or float16"):
+        LLM(tiny_checkpoint("llama").path, dtype="float64")
