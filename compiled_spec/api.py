@@ -33,6 +33,8 @@ class LLM:
         seed: int = 0,
         batch_buckets: tuple[int, ...] | None = None,
         prefill_buckets: tuple[int, ...] | None = None,
+        warm_up: bool = True,
+        show_progress: bool = True,
     ):
         self.path = Path(model) if model is not None else DEFAULT_MODEL
         self.config = EngineConfig(
@@ -54,6 +56,8 @@ class LLM:
         self.tokenizer = load_tokenizer(self.path)
         self.eos_ids = eos_token_ids(self.path, self.model_config.eos_token_ids, self.tokenizer)
         self.engine = Engine(self.model, self.config, self.eos_ids, self.tokenizer)
+        if warm_up:
+            self.engine.warm_up(show_progress)
         self._requests_made = 0
 
     @property

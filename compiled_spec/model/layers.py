@@ -21,6 +21,8 @@ class PassLayout(NamedTuple):
     attend: [B, 1, T, S] bool, which cache positions each row may attend to.
     cos, sin: [B, T, rotary_dim] rotary tables gathered at the rows' positions.
     slots_are_prefix: the batch is slots 0..B-1, so the cache is read as a view instead of a gather.
+    opaque_attention: run cache write + attention as one custom op the compiler does not look into
+        (the `piecewise` graph mode splits its graphs there).
     """
 
     slot_ids: torch.Tensor
@@ -29,6 +31,53 @@ class PassLayout(NamedTuple):
     cos: torch.Tensor
     sin: torch.Tensor
     slots_are_prefix: bool
+    opaque_attention: bool = False
+
+
+def attend_with_cache(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_ids: torch.Tensor,
+    write_index: torch.Tensor,
+    attend: torch.Tensor,
+    slots_are_prefix: bool,
+) -> torch.Tensor:
+    """Writes k, v [B, T, kv_heads, D] into the caches, then attends q [B, T, heads, D] over them."""
+    batch = q.shape[0]
+    cache_rows = (slot_ids[:, None], write_index)
+    key_cache.index_put_(cache_rows, k.to(key_cache.dtype))
+    value_cache.index_put_(cache_rows, v.to(value_cache.dtype))
+    if slots_are_prefix:
+        keys, values = key_cache[:batch], value_cache[:batch]
+    else:
+        keys, values = key_cache[slot_ids], value_cache[slot_ids]
+    out = F.scaled_dot_product_attention(
+        q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), attn_mask=attend, enable_gqa=True
+    )
+    return out.transpose(1, 2)
+
+
+@torch.library.custom_op("compiled_spec::cached_attention", mutates_args=("key_cache", "value_cache"))
+def cached_attention_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_ids: torch.Tensor,
+    write_index: torch.Tensor,
+    attend: torch.Tensor,
+    slots_are_prefix: bool,
+) -> torch.Tensor:
+    return attend_with_cache(q, k, v, key_cache, value_cache, slot_ids, write_index, attend, slots_are_prefix).contiguous()
+
+
+@cached_attention_op.register_fake
+def _(q, k, v, key_cache, value_cache, slot_ids, write_index, attend, slots_are_prefix):
+    return torch.empty_like(q)
 
 
 class RMSNorm(nn.Module):
@@ -70,21 +119,11 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rotary(q, layout.cos, layout.sin)
         k = apply_rotary(k, layout.cos, layout.sin)
-        cache_rows = (layout.slot_ids[:, None], layout.write_index)
-        key_cache.index_put_(cache_rows, k.to(key_cache.dtype))
-        value_cache.index_put_(cache_rows, v.to(value_cache.dtype))
-        if layout.slots_are_prefix:
-            keys, values = key_cache[:batch], value_cache[:batch]
-        else:
-            keys, values = key_cache[layout.slot_ids], value_cache[layout.slot_ids]
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2),
-            keys.transpose(1, 2),
-            values.transpose(1, 2),
-            attn_mask=layout.attend,
-            enable_gqa=True,
+        attention = cached_attention_op if layout.opaque_attention else attend_with_cache
+        out = attention(
+            q, k, v, key_cache, value_cache, layout.slot_ids, layout.write_index, layout.attend, layout.slots_are_prefix
         )
-        return self.o_proj(out.transpose(1, 2).reshape(batch, length, self.num_heads * self.head_dim))
+        return self.o_proj(out.reshape(batch, length, self.num_heads * self.head_dim))
 
 
 class MLP(nn.Module):

@@ -7,13 +7,15 @@ runs on a prefix of the slots, padded up to a batch bucket; padding lanes are fr
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
+from tqdm.auto import tqdm
 
-from ..config import EngineConfig
+from ..config import EngineConfig, GraphMode
 from ..model.causal_lm import CausalLM
 from ..model.rope import rotary_tables
 from ..params import RequestOutput, SamplingParams, SpecStats
@@ -62,6 +64,29 @@ class Engine:
         self.runner = StepRunner(model, self.state, self.constants, config.graph_mode)
         self.slots: list[Request] = []
         self.step_log: list[list[tuple[int, int]]] = []  # per step: (request index, accepted) of each lane
+        self.warmup_seconds = 0.0
+
+    def warm_up(self, show_progress: bool = True) -> None:
+        """Compiles every batch bucket and prefill bucket once, before any request is admitted."""
+        if self.config.graph_mode == GraphMode.EAGER:
+            return
+        if self.slots:
+            raise RuntimeError("warm_up() must run before requests are admitted")
+        start = time.perf_counter()
+        device = self.state.seq_lens.device
+        work = [("step", size) for size in reversed(self.batch_buckets)]
+        work += [("prefill", size) for size in reversed(self.prefill_buckets)]
+        bar = tqdm(work, desc="compiling buckets", unit="graph", disable=not show_progress)
+        for kind, size in bar:
+            bar.set_postfix_str(f"{kind} {'batch' if kind == 'step' else 'prompt'}={size}")
+            if kind == "step":
+                self.runner.step(size)  # every slot is free and marked done: nothing live is touched
+            else:
+                slot = torch.zeros(1, dtype=torch.int64, device=device)
+                prompt = torch.zeros(1, size, dtype=torch.int64, device=device)
+                self.runner.prefill(slot, prompt, torch.ones(1, dtype=torch.int64, device=device))
+                self.state.done[0] = True
+        self.warmup_seconds = time.perf_counter() - start
 
     def run(self, requests: list[Request], on_tokens: TokenCallback | None = None) -> None:
         queue = deque(requests)

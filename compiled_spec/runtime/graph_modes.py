@@ -1,37 +1,105 @@
-"""Wires the pure step and prefill functions to a graph mode."""
+"""Wires the pure step and prefill functions to a graph mode.
+
+eager: plain PyTorch, the reference. compile: inductor, no graph capture. piecewise: inductor with
+graphs split at attention (cache write + attention is an opaque custom op); on CUDA the pieces are
+replayed as CUDA graphs and attention runs between them, on CPU the pieces are compiled code and
+attention runs as the op's own kernel. full: the whole step as one max-autotune graph per bucket,
+replayed by cudagraph trees on CUDA; on CPU freezing lets max-autotune tune the GEMMs.
+
+In piecewise and full the runner captures the state's buffers once and calls every graph on
+exactly those buffers, as a replayed CUDA graph would: anything that rebinds a state field
+instead of writing into its buffer is invisible to the graph (and the passes make sure the step
+itself never does).
+"""
 
 from __future__ import annotations
 
-import functools
+import dataclasses
 
 import torch
+from torch._inductor.compile_fx import compile_fx
+
+from passes import SpecPassManager, default_passes
+from passes.graph_inputs import named_inputs, source_names
+from passes.manager import PassContext
 
 from ..config import GraphMode
 from ..model.causal_lm import CausalLM
 from ..spec.state import DecodeState
-from ..spec.step import StepConstants, prefill, speculative_step
+from ..spec.step import StepConstants, prefill, speculative_step, state_writes
+
+# Every bucket of every engine in a process is a separate specialization of the same functions.
+torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 512)
+torch._dynamo.config.accumulated_recompile_limit = max(torch._dynamo.config.accumulated_recompile_limit, 4096)
+
+
+def inductor_options(mode: GraphMode, device: torch.device) -> dict:
+    cuda = device.type == "cuda"
+    if mode == GraphMode.FULL:
+        options = dict(torch._inductor.list_mode_options("max-autotune"))
+        if not cuda:
+            options["freezing"] = True
+        return options
+    if mode == GraphMode.PIECEWISE:
+        return {
+            "graph_partition": True,
+            "custom_should_partition_ops": ["compiled_spec::cached_attention"],
+            "triton.cudagraphs": cuda,
+        }
+    return {"triton.cudagraphs": False}
+
+
+def spec_backend(options: dict, manager: SpecPassManager):
+    """A torch.compile backend: inductor with the given options and our passes installed."""
+
+    def backend(gm: torch.fx.GraphModule, example_inputs):
+        with named_inputs(source_names(gm)):
+            return compile_fx(gm, example_inputs, config_patches={**options, "post_grad_custom_post_pass": manager})
+
+    return backend
 
 
 class StepRunner:
-    """Calls the step and prefill for one engine, eagerly or through torch.compile."""
+    """Calls the step and prefill for one engine, eagerly or compiled."""
 
-    def __init__(self, model: CausalLM, state: DecodeState, constants: StepConstants, mode: GraphMode):
+    def __init__(
+        self,
+        model: CausalLM,
+        state: DecodeState,
+        constants: StepConstants,
+        mode: GraphMode,
+        passes: list | None = None,
+        step_function=speculative_step,
+        prefill_function=prefill,
+    ):
         self.mode = mode
-        step = functools.partial(speculative_step, model, state, constants)
-        fill = functools.partial(prefill, model, state, constants)
+        self.state = state
+        captures = mode in (GraphMode.PIECEWISE, GraphMode.FULL)
+        # A shallow copy: the same buffers, but later rebinding of a field on `state` does not reach it.
+        graph_state = dataclasses.replace(state) if captures else state
+        self.managers: dict[str, SpecPassManager] = {}
+        self._bound = (model, graph_state, constants)
+        self._step, self._prefill = step_function, prefill_function
         if mode == GraphMode.EAGER:
-            self._step, self._prefill = step, fill
-        else:
-            options = dict(fullgraph=True, dynamic=False)
-            if mode == GraphMode.FULL:
-                options["mode"] = "max-autotune"
-            self._step = torch.compile(step, **options)
-            self._prefill = torch.compile(fill, **options)
+            return
+        device = state.seq_lens.device
+        if device.type == "cuda":
+            for tensor in graph_state.tensors() + [constants.rope_cos, constants.rope_sin, constants.eos_ids]:
+                torch._dynamo.mark_static_address(tensor)
+        options = inductor_options(mode, device)
+        writes = state_writes(state)
+        compiled = {}
+        for name, function in (("step", step_function), ("prefill", prefill_function)):
+            context = PassContext(graph_name=f"{name} ({mode.value})", state_writes=writes, options=options)
+            manager = SpecPassManager(passes if passes is not None else default_passes(), context)
+            self.managers[name] = manager
+            compiled[name] = torch.compile(function, fullgraph=True, dynamic=False, backend=spec_backend(options, manager))
+        self._step, self._prefill = compiled["step"], compiled["prefill"]
 
     @torch.inference_mode()
-    def step(self, batch_size: int) -> None:
-        self._step(batch_size)
+    def step(self, batch_size: int):
+        return self._step(*self._bound, batch_size)
 
     @torch.inference_mode()
-    def prefill(self, slot: torch.Tensor, prompt_ids: torch.Tensor, prompt_len: torch.Tensor) -> None:
-        self._prefill(slot, prompt_ids, prompt_len)
+    def prefill(self, slot: torch.Tensor, prompt_ids: torch.Tensor, prompt_len: torch.Tensor):
+        return self._prefill(*self._bound, slot, prompt_ids, prompt_len)

@@ -30,6 +30,7 @@ class StepConstants(NamedTuple):
     rope_sin: torch.Tensor
     eos_ids: torch.Tensor  # [num_eos] int64
     max_seq_len: int
+    opaque_attention: bool = False
 
 
 def make_layout(
@@ -52,7 +53,22 @@ def make_layout(
         cos=constants.rope_cos[clamped],
         sin=constants.rope_sin[clamped],
         slots_are_prefix=slots_are_prefix,
+        opaque_attention=constants.opaque_attention,
     )
+
+
+def state_writes(state: DecodeState) -> tuple[str, ...]:
+    """The DecodeState fields both the step and prefill update (checked by passes/state_mutation)."""
+    k = state.draft_tokens.shape[1]
+    names = ["pending_tokens", "seq_lens", "generated", "done", "step_tokens", "step_emitted", "step_accepted"]
+    names += [f"main_keys[{i}]" for i in range(len(state.main_keys))]
+    names += [f"main_values[{i}]" for i in range(len(state.main_values))]
+    if k > 0:
+        names += ["draft_tokens", "draft_probs"]
+        names += [f"draft_keys[{i}]" for i in range(k)] + [f"draft_values[{i}]" for i in range(k)]
+    if k > 1:
+        names.append("carry_hidden")
+    return tuple(names)
 
 
 def _row_params(state: DecodeState, rows: torch.Tensor):

@@ -1,0 +1,30 @@
+"""Injected faults of the bug class the engine exists to prevent: decode state updated outside the graph."""
+
+from __future__ import annotations
+
+from dataclasses import fields
+
+from compiled_spec.runtime.graph_modes import StepRunner
+from compiled_spec.spec.state import DecodeState
+from compiled_spec.spec.step import speculative_step
+
+
+def step_with_positions_in_python(model, state, constants, batch_size):
+    """The real step, except that the advanced lengths are handed back instead of written into seq_lens."""
+    scratch = DecodeState(**{f.name: getattr(state, f.name) for f in fields(state)})
+    scratch.seq_lens = state.seq_lens.clone()
+    speculative_step(model, scratch, constants, batch_size)
+    return scratch.seq_lens
+
+
+class PositionsInPythonRunner(StepRunner):
+    """A runtime that advances positions in Python after each call (it rebinds state.seq_lens).
+
+    Eager code reads the new tensor; a captured graph keeps reading the buffer it was captured with.
+    """
+
+    def __init__(self, model, state, constants, mode, passes=None):
+        super().__init__(model, state, constants, mode, passes=passes, step_function=step_with_positions_in_python)
+
+    def step(self, batch_size: int):
+        self.state.seq_lens = super().step(batch_size).clone()

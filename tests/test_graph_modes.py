@@ -1,0 +1,75 @@
+"""Acceptance parity and zero recompiles: compile, piecewise and full against eager on one workload.
+
+The workload has more requests than slots, of mixed prompt lengths, so requests are admitted while
+others decode and batches are padded to buckets. The MTP modules mimic the main model, so steps
+accept none, some and all of their drafts.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from compiled_spec import LLM, SamplingParams
+
+K = 2
+ENGINE = dict(num_speculative_tokens=K, max_batch_size=4, max_seq_len=64, batch_buckets=(2, 4), prefill_buckets=(64,))
+PROMPT_LENGTHS = [3, 17, 5, 9, 30, 1, 12, 7, 22, 4, 15, 2, 26, 8, 11, 6, 19, 13]
+
+
+@pytest.fixture(scope="session")
+def workload(tiny_checkpoint):
+    checkpoint = tiny_checkpoint("predictive")
+    vocab = checkpoint.model.config.vocab_size
+    generator = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(2, vocab, (n,), generator=generator).tolist() for n in PROMPT_LENGTHS]
+    return checkpoint.path, prompts
+
+
+def run_workload(llm: LLM, prompts):
+    llm.engine.step_log.clear()
+    outputs = llm.generate(prompts, SamplingParams(max_tokens=20, ignore_eos=True))
+    return [o.token_ids for o in outputs], list(llm.engine.step_log)
+
+
+@pytest.fixture(scope="session")
+def eager_result(workload):
+    path, prompts = workload
+    return run_workload(LLM(path, graph_mode="eager", **ENGINE), prompts)
+
+
+@pytest.fixture(scope="session", params=["compile", "piecewise", "full"])
+def compiled_result(request, workload):
+    path, prompts = workload
+    graphs_before = counters["stats"]["unique_graphs"]
+    llm = LLM(path, graph_mode=request.param, show_progress=False, **ENGINE)
+    graphs_after_warm_up = counters["stats"]["unique_graphs"]
+    with torch.compiler.set_stance("fail_on_recompile"):
+        result = run_workload(llm, prompts)
+        again = run_workload(llm, prompts)
+    return dict(
+        mode=request.param,
+        llm=llm,
+        result=result,
+        again=again,
+        warm_up_graphs=graphs_after_warm_up - graphs_before,
+        workload_graphs=counters["stats"]["unique_graphs"] - graphs_after_warm_up,
+    )
+
+
+def test_acceptance_and_outputs_equal_eager(eager_result, compiled_result):
+    eager_tokens, eager_steps = eager_result
+    tokens, steps = compiled_result["result"]
+    accepted = [count for step in eager_steps for _, count in step]
+    # The workload must exercise rejection, partial and full acceptance, or parity would prove little.
+    assert {0, 1, K} <= set(accepted), sorted(set(accepted))
+    assert tokens == eager_tokens
+    assert steps == eager_steps
+
+
+def test_zero_recompiles_after_warm_up(compiled_result):
+    # One graph per batch bucket and per prefill bucket, all made during warm-up.
+    assert compiled_result["warm_up_graphs"] == len(ENGINE["batch_buckets"]) + len(ENGINE["prefill_buckets"])
+    assert compiled_result["workload_graphs"] == 0
+    assert compiled_result["again"] == compiled_result["result"]
