@@ -64,6 +64,7 @@ class Engine:
         self.runner = StepRunner(model, self.state, self.constants, config.graph_mode)
         self.slots: list[Request] = []
         self.step_log: list[list[tuple[int, int]]] = []  # per step: (request index, accepted) of each lane
+        self.step_seconds: list[float] = []  # wall time of each decode step, the host copy of its results included
         self.warmup_seconds = 0.0
 
     def warm_up(self, show_progress: bool = True) -> None:
@@ -120,9 +121,11 @@ class Engine:
         self._collect(slot + 1, on_tokens, first_slot=slot, record_stats=False)
 
     def _step(self, on_tokens: TokenCallback | None) -> None:
+        start = time.perf_counter()
         batch = pick_bucket(self.batch_buckets, len(self.slots))
         self.runner.step(batch)
         self._collect(len(self.slots), on_tokens, first_slot=0, record_stats=True)
+        self.step_seconds.append(time.perf_counter() - start)
 
     def _collect(self, end: int, on_tokens, first_slot: int, record_stats: bool) -> None:
         """Reads what slots first_slot..end-1 emitted (one device-to-host copy) and frees finished slots."""
