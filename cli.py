@@ -1,4 +1,4 @@
-"""The `compiled-spec` command. Each subcommand is one function here (`generate`; `bench` to come) or, when it
+"""The `compiled-spec` command. Each subcommand is one function here (`generate`, `bench`) or, when it
 grows, a module of its own added with `main.add_command`; what they print lives in compiled_spec/cli_format.py.
 
 compiled_spec (and so torch) is imported inside the commands, so `--help` answers at once.
@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+from pathlib import Path
 
 import click
 from click.exceptions import NoArgsIsHelpError
@@ -164,6 +165,119 @@ def generate(prompts, prompt_ids, model, num_speculative_tokens, temperature, to
     click.echo(cli_format.to_json({"aggregate": summary.record()}) if as_json else summary.line())
     if summary.errors:
         click.get_current_context().exit(1)
+
+
+def int_list(ctx, param, text: str) -> list[int]:
+    try:
+        values = [int(part) for part in text.replace(" ", "").split(",") if part]
+    except ValueError:
+        values = []
+    if not values:
+        raise click.BadParameter(f"{text!r} is not a comma-separated list of integers, e.g. 1,4,8")
+    return values
+
+
+def name_list(allowed: tuple[str, ...], none_ok: bool = False):
+    def parse(ctx, param, text: str) -> list[str]:
+        names = [part for part in text.replace(" ", "").split(",") if part]
+        if none_ok and names == ["none"]:
+            return []
+        unknown = [name for name in names if name not in allowed]
+        if unknown or not names:
+            choices = ", ".join(allowed) + (", or none" if none_ok else "")
+            raise click.BadParameter(f"{text!r}: choose a comma-separated list of {choices}")
+        return list(dict.fromkeys(names))
+
+    return parse
+
+
+ANCHORS = ("hf-eager", "hf-static", "hf-mtp")  # mirrors benchmarks.anchors.ANCHORS; a test keeps them equal
+
+
+@main.command()
+@click.option("-m", "--model", type=click.Path(exists=True, file_okay=False), default=None,
+              help="Checkpoint directory. Default: the embedded Shakespeare model.")
+@click.option("--graph-modes", "graph_modes", default="eager,full", show_default=True,
+              callback=name_list(GRAPH_MODES), help="Comma-separated graph modes.")
+@click.option("-k", "--num-speculative-tokens", "ks", default="3", show_default=True, callback=int_list,
+              help="Comma-separated values of k; 0 is plain decoding.")
+@click.option("--batch-sizes", "batch_sizes", default="1", show_default=True, callback=int_list,
+              help="Comma-separated max batch sizes (prompts decoded together).")
+@click.option("--anchors", default=",".join(ANCHORS), show_default=True, callback=name_list(ANCHORS, none_ok=True),
+              help="transformers baselines run at each batch size, or none.")
+@click.option("--out", type=click.Path(file_okay=False), default="bench_out", show_default=True,
+              help="Where results.json, results.md, the plots and the cell logs go.")
+@click.option("--max-tokens", "max_tokens", type=click.IntRange(1), default=128, show_default=True,
+              help="New tokens per prompt (EOS ignored, so every cell generates the same count).")
+@click.option("--prompts-file", "prompts_file", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="One prompt per line (\\n for newline), or a .json list of strings or token-id lists. "
+                   "Default: 8 built-in prompts.")
+@click.option("--max-seq-len", "max_seq_len", type=click.IntRange(2), default=None,
+              help="Default: the longest prompt plus --max-tokens and one step, rounded up to 16.")
+@click.option("--buckets", type=click.Choice(["minimal", "default"]), default="minimal", show_default=True,
+              help="minimal: compile one batch bucket (the cell's size) and one prefill bucket; "
+                   "default: the engine's own buckets (slower warm-up).")
+@click.option("--repeats", type=click.IntRange(1), default=1, show_default=True,
+              help="Timed runs per cell; the fastest counts.")
+@click.option("--threads", type=click.IntRange(0), default=0, show_default=True,
+              help="torch threads in every cell; 0 keeps torch's default.")
+@click.option("--cache-dir", "cache_dir", type=click.Path(file_okay=False), default=None,
+              help="TORCHINDUCTOR_CACHE_DIR for every cell; run twice with the same one to measure warm "
+                   "start. Default: a fresh, cold one for this run.")
+@click.option("--cell-timeout", "cell_timeout", type=float, default=1800.0, show_default=True,
+              help="Seconds before a cell is stopped and recorded as a timeout.")
+def bench(model, graph_modes, ks, batch_sizes, anchors, out, max_tokens, prompts_file, max_seq_len, buckets,
+          repeats, threads, cache_dir, cell_timeout):
+    """Measure tokens/s, step latency, acceptance per draft position, warm-up time and peak memory for
+    every graph mode x k x batch size, beside transformers on the same model and prompts (greedy).
+
+    Each cell runs in a fresh process. Writes OUT/results.json (one record per cell, with the machine and
+    this command), OUT/results.md (the table printed here) and PNG plots; exit status 1 if a cell failed.
+
+    \b
+    Examples:
+      compiled-spec bench                                    # eager and full, k=3, batch 1, the anchors
+      compiled-spec bench --graph-modes eager,compile,piecewise,full -k 0,1,2,3 --batch-sizes 1,4,8
+      compiled-spec bench --model ./tiny --graph-modes eager -k 2 --batch-sizes 1,2 --anchors none
+    """
+    from benchmarks.sweep import SweepOptions, run_sweep
+    from benchmarks.workload import read_prompts
+
+    if any(k < 0 or k > MAX_SPECULATIVE_TOKENS for k in ks):
+        raise click.BadParameter(f"allowed 0..{MAX_SPECULATIVE_TOKENS}", param_hint="'--num-speculative-tokens'")
+    if any(size < 1 for size in batch_sizes):
+        raise click.BadParameter("batch sizes must be positive", param_hint="'--batch-sizes'")
+    if model is None:
+        from compiled_spec.api import DEFAULT_MODEL as model
+    try:
+        prompts = read_prompts(prompts_file) if prompts_file else None
+    except ValueError as error:
+        raise click.BadParameter(str(error), param_hint="'--prompts-file'") from None
+    options = SweepOptions(
+        model=Path(model), graph_modes=graph_modes, num_speculative_tokens=ks, batch_sizes=batch_sizes,
+        anchors=anchors, out=Path(out), max_tokens=max_tokens, prompts=prompts, max_seq_len=max_seq_len,
+        buckets=buckets, repeats=repeats, threads=threads, cache_dir=Path(cache_dir) if cache_dir else None,
+        cell_timeout_s=cell_timeout, command=spelled_out(click.get_current_context()),
+    )
+    try:
+        results = run_sweep(options)
+    except ValueError as error:
+        raise InputError(str(error)) from None
+    click.echo((Path(out) / "results.md").read_text(), nl=False)
+    click.echo(f"wrote {Path(out) / 'results.json'}, {Path(out) / 'results.md'} and the plots")
+    if any(record["status"] in ("error", "timeout") for record in results["records"]):
+        click.get_current_context().exit(1)
+
+
+def spelled_out(ctx: click.Context) -> list[str]:
+    """The command with every option written out (defaults too), so the record reproduces the run as is."""
+    words = ctx.command_path.split()
+    for param in ctx.command.params:
+        value = ctx.params.get(param.name)
+        if isinstance(param, click.Option) and value is not None and not param.hidden and param.name != "help":
+            text = ",".join(map(str, value)) if isinstance(value, list) else str(value)
+            words += [max(param.opts, key=len), text or "none"]
+    return words
 
 
 def parse_ids(text: str) -> list[int]:

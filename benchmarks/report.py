@@ -1,0 +1,170 @@
+"""The markdown table and the two plots of a sweep's results."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .anchors import ANCHORS
+
+
+def engine_records(results: dict) -> list[dict]:
+    return [r for r in results["records"] if r["kind"] == "engine"]
+
+
+def anchor_records(results: dict) -> list[dict]:
+    return [r for r in results["records"] if r["kind"] == "anchor"]
+
+
+def number(value, digits: int = 1) -> str:
+    return "–" if value is None else f"{value:.{digits}f}"
+
+
+def acceptance_text(record: dict) -> str:
+    if not record["num_speculative_tokens"]:
+        return "–"
+    return " ".join(f"{rate:.0%}" for rate in record["acceptance_rate_per_position"])
+
+
+def engine_row(record: dict, anchors: list[str]) -> str:
+    head = f"| {record['graph_mode']} | {record['num_speculative_tokens']} | {record['batch_size']} |"
+    if record["status"] != "ok":
+        return head + f" {record['status']}: {record.get('reason', '')} |" + " |" * (8 + len(anchors))
+    latency = record["step_latency_ms"]
+    same = record.get("acceptance_equals_eager")
+    cells = [
+        number(record["tokens_per_s"]),
+        f"{latency['p50']:.2f} / {latency['p90']:.2f}",
+        acceptance_text(record),
+        number(record["mean_accepted_length"], 2),
+        "–" if same is None else ("yes" if same else "**no**"),
+        "–" if "outputs_equal_to_hf_eager" not in record else f"{record['outputs_equal_to_hf_eager']}/{record['requests']}",
+        number(record["warmup_s"]),
+        number(record["peak_rss_mib"], 0),
+    ]
+    cells += [number(record["speedup_vs"].get(name), 2) + ("×" if record["speedup_vs"].get(name) else "") for name in anchors]
+    return head + " " + " | ".join(cells) + " |"
+
+
+def anchor_row(record: dict) -> str:
+    head = f"| {record['anchor']} | {record['batch_size']} |"
+    if record["status"] != "ok":
+        return head + f" {record['status']}: {record.get('reason', '')} | | | |"
+    notes = []
+    if record.get("mean_accepted_length") is not None:
+        notes.append(f"k={record['num_speculative_tokens']}, ~{record['mean_accepted_length']:.2f} tokens/verify pass")
+    if record.get("settings", {}).get("set_for_transformers"):
+        notes.append(f"set: {record['settings']['set_for_transformers']}")
+    return head + f" {number(record['tokens_per_s'])} | {number(record['warmup_s'])} | " \
+                  f"{number(record['peak_rss_mib'], 0)} | {'; '.join(notes)} |"
+
+
+def markdown(results: dict, plot_names: list[str] = ()) -> str:
+    env, settings = results["environment"], results["settings"]
+    anchors = [name for name in ANCHORS if any(r.get("anchor") == name for r in anchor_records(results))]
+    lines = [
+        "# compiled-spec bench",
+        "",
+        f"`{results['command']}`",
+        "",
+        f"{env['cpu']}, {env['usable_cpus']} usable CPUs, {env['memory_gib']} GiB; Python {env['python']}, "
+        f"torch {env['torch']}, transformers {env['transformers']}, compiled-spec {env['compiled_spec']} "
+        f"({env['git_commit']}); load average {env['load_average_at_start'][0]:.2f} at start, "
+        f"{env.get('load_average_at_end', [float('nan')])[0]:.2f} at end.",
+        "",
+        f"{settings['prompts']} prompts ({min(settings['prompt_lengths'])}–{max(settings['prompt_lengths'])} tokens), "
+        f"{settings['max_tokens']} new tokens each, {settings['sampling']}; max_seq_len {settings['max_seq_len']}, "
+        f"{settings['buckets']} buckets, best of {settings['repeats']}.",
+        "",
+        "tokens/s: generated tokens / wall time of generate() for all prompts, prefill included, after warm-up. "
+        "Step latency: one decode step (all lanes) including the copy of its results to the host. "
+        "Acceptance: fraction of steps whose draft at that position was accepted. "
+        "Warm-up: compiling every bucket (0 in eager). Peak RSS: the cell's own process. "
+        "'= eager': accepted counts per position equal the eager cell's (same k, batch); "
+        "'= HF': outputs identical to transformers' greedy ones.",
+        "",
+        "| mode | k | batch | tokens/s | step p50 / p90 ms | acceptance by position | mean accepted length "
+        "| = eager | = HF | warm-up s | peak RSS MiB | " + " | ".join(f"× {name}" for name in anchors) + " |",
+        "|" + "---|" * (11 + len(anchors)),
+    ]
+    lines += [engine_row(record, anchors) for record in engine_records(results)]
+    if anchors:
+        lines += ["", "| anchor | batch | tokens/s | warm-up s | peak RSS MiB | notes |", "|---|---|---|---|---|---|"]
+        lines += [anchor_row(record) for record in anchor_records(results)]
+    lines += [""] + [f"![{name}]({name})" for name in plot_names]
+    return "\n".join(lines) + "\n"
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_tokens_per_s(results: dict, path: Path) -> list[Path]:
+    """Tokens/s by k, one bar per graph mode, one panel per batch size; anchors as dashed lines."""
+    ok = [r for r in engine_records(results) if r["status"] == "ok"]
+    if not ok:
+        return []
+    plt = _pyplot()
+    batches = sorted({r["batch_size"] for r in ok})
+    modes = list(dict.fromkeys(r["graph_mode"] for r in ok))
+    ks = sorted({r["num_speculative_tokens"] for r in ok})
+    figure, axes = plt.subplots(1, len(batches), figsize=(4.5 * len(batches), 4), squeeze=False)
+    width = 0.8 / len(modes)
+    for axis, batch in zip(axes[0], batches):
+        for index, mode in enumerate(modes):
+            values = {r["num_speculative_tokens"]: r["tokens_per_s"] for r in ok
+                      if r["graph_mode"] == mode and r["batch_size"] == batch}
+            xs = [position + (index - (len(modes) - 1) / 2) * width for position, k in enumerate(ks) if k in values]
+            axis.bar(xs, [values[k] for k in ks if k in values], width, label=mode)
+        for style, anchor in zip(("--", ":", "-."), ANCHORS):
+            match = [r for r in anchor_records(results)
+                     if r["anchor"] == anchor and r["batch_size"] == batch and r["status"] == "ok"]
+            if match:
+                axis.axhline(match[0]["tokens_per_s"], color="gray", linestyle=style, label=anchor)
+        axis.set_xticks(range(len(ks)), [f"k={k}" for k in ks])
+        axis.set_title(f"batch {batch}")
+        axis.set_ylabel("tokens/s")
+    axes[0][0].legend(fontsize="small")
+    figure.suptitle("Tokens/s by graph mode and k")
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return [path]
+
+
+def plot_acceptance(results: dict, path: Path) -> list[Path]:
+    """Acceptance by draft position, one line per graph mode (pooled over batch sizes), one panel per k.
+
+    Lines lying on top of each other are the point: capturing the step does not change what is accepted."""
+    ok = [r for r in engine_records(results) if r["status"] == "ok" and r["num_speculative_tokens"] > 0]
+    if not ok:
+        return []
+    plt = _pyplot()
+    ks = sorted({r["num_speculative_tokens"] for r in ok})
+    modes = list(dict.fromkeys(r["graph_mode"] for r in ok))
+    figure, axes = plt.subplots(1, len(ks), figsize=(max(4 * len(ks), 7), 3.6), squeeze=False)
+    markers = ("o", "s", "^", "D")
+    for axis, k in zip(axes[0], ks):
+        for index, mode in enumerate(modes):
+            cells = [r for r in ok if r["graph_mode"] == mode and r["num_speculative_tokens"] == k]
+            if not cells:
+                continue
+            steps = sum(r["drafted"] for r in cells) / k
+            accepted = [sum(r["accepted_per_position"][p] for r in cells) for p in range(k)]
+            axis.plot(range(1, k + 1), [a / steps for a in accepted], marker=markers[index % len(markers)],
+                      markersize=11 - 2.5 * index, label=mode)
+        axis.set_xticks(range(1, k + 1))
+        axis.set_ylim(0, 1.05)
+        axis.set_xlabel("draft position")
+        axis.set_title(f"k={k}")
+    axes[0][0].set_ylabel("acceptance rate")
+    axes[0][0].legend(fontsize="small")
+    figure.suptitle("Acceptance by draft position; lines on top of each other: no collapse")
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return [path]

@@ -1,0 +1,175 @@
+"""Plans the cells of a sweep, runs each in a fresh worker process, and joins their records.
+
+A cell is one engine configuration (graph mode, k, batch size) or one anchor (a transformers baseline at a
+batch size). Every cell generates the same number of tokens for the same prompt token ids, greedy.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tqdm.auto import tqdm
+
+from . import environment, report
+from .anchors import ANCHORS, unavailable_reason
+from .workload import auto_max_seq_len, prompt_token_ids
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclass
+class SweepOptions:
+    model: Path
+    graph_modes: list[str]
+    num_speculative_tokens: list[int]
+    batch_sizes: list[int]
+    anchors: list[str]
+    out: Path
+    max_tokens: int = 128
+    prompts: list | None = None  # None: the default prompts (workload.py)
+    max_seq_len: int | None = None  # None: room for the longest prompt plus max_tokens
+    buckets: str = "minimal"  # minimal: one batch bucket (the cell's size) and one prefill bucket; default: the engine's
+    repeats: int = 1
+    threads: int = 0  # 0: torch's default
+    cache_dir: Path | None = None  # TORCHINDUCTOR_CACHE_DIR of every cell; None: a fresh one for this sweep
+    cell_timeout_s: float = 1800.0
+    plots: bool = True
+    command: list[str] = field(default_factory=list)
+
+
+def plan(options: SweepOptions, prompt_ids: list[list[int]], max_seq_len: int) -> list[dict]:
+    common = dict(model=str(options.model), prompt_ids=prompt_ids, max_tokens=options.max_tokens,
+                  repeats=options.repeats, threads=options.threads)
+    cells = []
+    for anchor in options.anchors:
+        for batch in options.batch_sizes:
+            cells.append(dict(kind="anchor", name=f"{anchor} b={batch}", anchor=anchor, batch_size=batch, **common))
+    for mode in options.graph_modes:
+        for k in options.num_speculative_tokens:
+            for batch in options.batch_sizes:
+                cells.append(dict(kind="engine", name=f"{mode} k={k} b={batch}", graph_mode=mode,
+                                  num_speculative_tokens=k, batch_size=batch, max_seq_len=max_seq_len,
+                                  buckets=options.buckets, **common))
+    return cells
+
+
+def run_worker(spec: dict, log_path: Path, env: dict, timeout_s: float) -> dict:
+    with tempfile.TemporaryDirectory(prefix="bench-cell-") as scratch:
+        spec_path, result_path = Path(scratch) / "spec.json", Path(scratch) / "result.json"
+        spec_path.write_text(json.dumps(spec))
+        with open(log_path, "w") as log:
+            process = subprocess.Popen([sys.executable, "-m", "benchmarks.worker", str(spec_path), str(result_path)],
+                                       stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+            try:
+                returncode = process.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                os.killpg(process.pid, signal.SIGKILL)  # the worker and its compile workers
+                process.wait()
+                return {"status": "timeout", "reason": f"no result after {timeout_s:.0f} s; see {log_path}"}
+        if result_path.is_file():
+            return json.loads(result_path.read_text())
+        return {"status": "error", "reason": f"worker exited with status {returncode}; see {log_path}"}
+
+
+def worker_env(options: SweepOptions, cache_dir: Path) -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+    env["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir)
+    if options.threads:
+        env["OMP_NUM_THREADS"] = str(options.threads)
+    return env
+
+
+def cell_record(spec: dict, result: dict) -> dict:
+    keys = ("kind", "name", "anchor", "graph_mode", "num_speculative_tokens", "batch_size")
+    return {**{key: spec[key] for key in keys if key in spec}, **result}
+
+
+def compare(records: list[dict]) -> None:
+    """Adds to every engine record: tokens/s as a ratio to each anchor at the same batch size, whether its
+    acceptance equals the eager cell's (same k and batch), and how many outputs equal transformers' greedy ones."""
+    ok = [r for r in records if r["status"] == "ok"]
+    anchors = {(r["anchor"], r["batch_size"]): r for r in ok if r["kind"] == "anchor"}
+    eager = {(r["num_speculative_tokens"], r["batch_size"]): r for r in ok
+             if r["kind"] == "engine" and r["graph_mode"] == "eager"}
+    reference = anchors.get(("hf-eager", 1)) or next((r for (name, _), r in anchors.items() if name == "hf-eager"), None)
+    for record in ok:
+        if record["kind"] != "engine":
+            continue
+        record["speedup_vs"] = {
+            name: (record["tokens_per_s"] / anchors[name, record["batch_size"]]["tokens_per_s"]
+                   if (name, record["batch_size"]) in anchors else None)
+            for name in ANCHORS
+        }
+        base = eager.get((record["num_speculative_tokens"], record["batch_size"]))
+        if base is not None and base is not record:
+            record["acceptance_equals_eager"] = base["accepted_per_position"] == record["accepted_per_position"]
+        if reference is not None:
+            record["outputs_equal_to_hf_eager"] = sum(
+                a == b for a, b in zip(record["output_digests"], reference["output_digests"])
+            )
+
+
+def run_sweep(options: SweepOptions) -> dict:
+    prompt_ids = prompt_token_ids(options.model, options.prompts)
+    max_seq_len = options.max_seq_len or auto_max_seq_len(prompt_ids, options.max_tokens)
+    cells = plan(options, prompt_ids, max_seq_len)
+    options.out.mkdir(parents=True, exist_ok=True)
+    (options.out / "logs").mkdir(exist_ok=True)
+    owned_cache = options.cache_dir is None
+    cache_dir = Path(tempfile.mkdtemp(prefix="bench-inductor-")) if owned_cache else options.cache_dir
+    cache_was_empty = not cache_dir.exists() or not any(cache_dir.iterdir())
+    env = worker_env(options, cache_dir)
+    results = {
+        "command": shlex.join(options.command),
+        "environment": environment.describe(),
+        "settings": {
+            "model": str(options.model),
+            "prompts": len(prompt_ids),
+            "prompt_lengths": [len(ids) for ids in prompt_ids],
+            "max_tokens": options.max_tokens,
+            "max_seq_len": max_seq_len,
+            "buckets": options.buckets,
+            "repeats": options.repeats,
+            "sampling": "greedy, ignore_eos (every request generates max_tokens)",
+            "inductor_cache": {"dir": None if owned_cache else str(cache_dir), "empty_at_start": cache_was_empty},
+        },
+        "records": [],
+    }
+    bar = tqdm(cells, desc="bench", unit="cell", file=sys.stderr)
+    try:
+        for spec in bar:
+            bar.set_postfix_str(spec["name"])
+            reason = unavailable_reason(spec["anchor"], spec["batch_size"]) if spec["kind"] == "anchor" else None
+            if reason:
+                result = {"status": "unavailable", "reason": reason}
+            else:
+                log_path = options.out / "logs" / (spec["name"].replace(" ", "_").replace("=", "") + ".log")
+                result = run_worker(spec, log_path, env, options.cell_timeout_s)
+            results["records"].append(cell_record(spec, result))
+    finally:
+        bar.close()
+        if owned_cache:
+            shutil.rmtree(cache_dir, ignore_errors=True)
+    results["environment"]["load_average_at_end"] = list(os.getloadavg())
+    compare(results["records"])
+    write_outputs(results, options)
+    return results
+
+
+def write_outputs(results: dict, options: SweepOptions) -> None:
+    (options.out / "results.json").write_text(json.dumps(results, indent=2))
+    plots = []
+    if options.plots:
+        plots = report.plot_tokens_per_s(results, options.out / "tokens_per_s.png")
+        plots += report.plot_acceptance(results, options.out / "acceptance.png")
+    (options.out / "results.md").write_text(report.markdown(results, [path.name for path in plots]))

@@ -1,0 +1,68 @@
+"""`compiled-spec bench` end to end on a tiny checkpoint: two eager cells and one anchor, each in its own process."""
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+import cli
+from benchmarks.anchors import ANCHORS
+
+
+@pytest.fixture(scope="module")
+def sweep(tiny_checkpoint, tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    args = ["bench", "--model", str(tiny_checkpoint("predictive").path), "--graph-modes", "eager", "-k", "2",
+            "--batch-sizes", "1,2", "--anchors", "hf-mtp", "--max-tokens", "12", "--threads", "1", "--out", str(out)]
+    result = CliRunner().invoke(cli.main, args, prog_name="compiled-spec")
+    return result, out
+
+
+def records(out, **match):
+    found = json.loads((out / "results.json").read_text())["records"]
+    return [r for r in found if all(r.get(key) == value for key, value in match.items())]
+
+
+def test_bench_writes_json_markdown_and_plots(sweep):
+    result, out = sweep
+    assert result.exit_code == 0, result.output
+    results = json.loads((out / "results.json").read_text())
+    assert results["command"].startswith("compiled-spec bench --model ")
+    assert {"cpu", "torch", "transformers", "python", "load_average_at_start"} <= set(results["environment"])
+    assert [r["name"] for r in results["records"]] == ["hf-mtp b=1", "hf-mtp b=2", "eager k=2 b=1", "eager k=2 b=2"]
+    for record in records(out, kind="engine"):
+        assert record["status"] == "ok", record
+        assert record["tokens_per_s"] > 0 and record["generated_tokens"] == 8 * 12
+        assert record["step_latency_ms"]["p50"] <= record["step_latency_ms"]["p90"]
+        assert len(record["acceptance_rate_per_position"]) == 2
+        assert 1 <= record["mean_accepted_length"] <= 3
+        assert record["warmup_s"] == 0 and record["peak_rss_mib"] > 0
+        assert set(record["speedup_vs"]) == set(ANCHORS)
+    (anchor,) = records(out, name="hf-mtp b=1")
+    assert anchor["status"] == "ok" and anchor["tokens_per_s"] > 0 and anchor["num_speculative_tokens"] == 2
+    (skipped,) = records(out, name="hf-mtp b=2")
+    assert skipped["status"] == "unavailable" and "batch size 1" in skipped["reason"]
+    table = (out / "results.md").read_text()
+    assert "| eager | 2 | 1 |" in table and "| eager | 2 | 2 |" in table and "| hf-mtp | 1 |" in table
+    assert table in result.output
+    for name in ("tokens_per_s.png", "acceptance.png"):
+        assert (out / name).read_bytes().startswith(b"\x89PNG")
+
+
+def test_eager_cells_with_the_same_k_accept_the_same(sweep):
+    """Every cell decodes the same prompts; greedy acceptance cannot depend on how many share a batch."""
+    _, out = sweep
+    one, two = records(out, kind="engine")
+    assert one["accepted_per_position"] == two["accepted_per_position"]
+    assert one["output_digests"] == two["output_digests"]
+    assert sum(one["accepted_per_position"]) > 0
+
+
+def test_bench_rejects_an_unknown_graph_mode():
+    result = CliRunner().invoke(cli.main, ["bench", "--graph-modes", "eager,fast"], prog_name="compiled-spec")
+    assert result.exit_code == 2
+    assert "'eager,fast': choose a comma-separated list of eager, compile, piecewise, full" in result.stderr
+
+
+def test_cli_anchor_names_mirror_the_benchmarks():
+    assert cli.ANCHORS == ANCHORS
