@@ -69,16 +69,21 @@ def enable_mtp(model) -> str | None:
     return ", ".join(set_here) or None
 
 
-def batches(prompt_ids: list[list[int]], batch_size: int, pad_id: int, same_width: bool):
+def batches(prompt_ids: list[list[int]], batch_size: int, pad_id: int, same_shape: bool):
+    """(input_ids, attention_mask, real rows) per batch. same_shape: every batch is as long as the longest
+    prompt and as wide as batch_size (a short last batch repeats its last prompt; only real rows count)."""
     import torch
 
     longest = max(len(ids) for ids in prompt_ids)
     for first in range(0, len(prompt_ids), batch_size):
         group = prompt_ids[first:first + batch_size]
-        width = longest if same_width else max(len(ids) for ids in group)
+        real = len(group)
+        width = longest if same_shape else max(len(ids) for ids in group)
+        if same_shape:
+            group = group + [group[-1]] * (batch_size - real)
         input_ids = torch.tensor([[pad_id] * (width - len(ids)) + ids for ids in group])
         attention_mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in group])
-        yield input_ids, attention_mask
+        yield input_ids, attention_mask, real
 
 
 def measure_anchor(spec: dict) -> dict:
@@ -108,10 +113,10 @@ def measure_anchor(spec: dict) -> dict:
         model.register_forward_hook(lambda *_: forward_calls.__setitem__(0, forward_calls[0] + 1))
 
     prompt_ids = spec["prompt_ids"]
-    groups = list(batches(prompt_ids, batch_size, pad_id, same_width=name == "hf-static"))
+    groups = list(batches(prompt_ids, batch_size, pad_id, same_shape=name == "hf-static"))
     with torch.inference_mode():
         warm = time.perf_counter()
-        model.generate(*groups[0][:1], attention_mask=groups[0][1], **kwargs)  # compiles hf-static
+        model.generate(groups[0][0], attention_mask=groups[0][1], **kwargs)  # compiles hf-static
         record["warmup_s"] = time.perf_counter() - warm
         record["setup_s"] = time.perf_counter() - start
         best = None
@@ -119,9 +124,9 @@ def measure_anchor(spec: dict) -> dict:
             forward_calls[0] = 0
             outputs = []
             begin = time.perf_counter()
-            for input_ids, attention_mask in groups:
+            for input_ids, attention_mask, real in groups:
                 out = model.generate(input_ids, attention_mask=attention_mask, **kwargs)
-                outputs += [row.tolist() for row in out[:, input_ids.shape[1]:]]
+                outputs += [row.tolist() for row in out[:real, input_ids.shape[1]:]]
             elapsed = time.perf_counter() - begin
             if best is None or elapsed < best[0]:
                 best = (elapsed, outputs, forward_calls[0])

@@ -75,7 +75,7 @@ def measure_engine(spec: dict) -> dict:
             "p50": percentile(step_ms, 0.5),
             "p90": percentile(step_ms, 0.9),
             "mean": statistics.fmean(step_ms),
-        },
+        } if step_ms else None,  # no steps when every request finished at prefill (max_tokens=1)
         "drafted": stats.drafted,
         "accepted_per_position": stats.accepted_per_position,
         "acceptance_rate_per_position": stats.acceptance_rate_per_position,

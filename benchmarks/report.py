@@ -29,7 +29,7 @@ def engine_row(record: dict, anchors: list[str]) -> str:
     head = f"| {record['graph_mode']} | {record['num_speculative_tokens']} | {record['batch_size']} |"
     if record["status"] != "ok":
         return head + f" {record['status']}: {record.get('reason', '')} |" + " |" * (8 + len(anchors))
-    latency = record["step_latency_ms"]
+    latency = record["step_latency_ms"] or {"p50": float("nan"), "p90": float("nan")}
     same = record.get("acceptance_equals_eager")
     cells = [
         number(record["tokens_per_s"]),

@@ -120,6 +120,9 @@ def compare(records: list[dict]) -> None:
 
 
 def run_sweep(options: SweepOptions) -> dict:
+    """Runs every cell and writes the outputs; a ValueError names bad input found before any cell ran."""
+    if not (options.model / "config.json").is_file():
+        raise ValueError(f"{options.model} has no config.json; pass a checkpoint directory with --model")
     prompt_ids = prompt_token_ids(options.model, options.prompts)
     max_seq_len = options.max_seq_len or auto_max_seq_len(prompt_ids, options.max_tokens)
     cells = plan(options, prompt_ids, max_seq_len)

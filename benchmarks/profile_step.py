@@ -1,0 +1,51 @@
+"""Where a decode step's time goes: torch.profiler over the steps of one warmed-up request.
+
+    python -m benchmarks.profile_step [--model DIR] [--graph-mode full] [-k 3] [--max-tokens 96] [--rows 15]
+
+Inductor's C++ kernels are recorded by name (cpp.enable_kernel_profile), so the table shows fused kernels,
+GEMMs and library calls side by side. Prints the top ops by self CPU time and the mean step latency.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import torch
+import torch._inductor.config
+from torch.profiler import ProfilerActivity, profile
+
+from compiled_spec import LLM, SamplingParams
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--graph-mode", default="full")
+    parser.add_argument("-k", "--num-speculative-tokens", type=int, default=3)
+    parser.add_argument("--max-tokens", type=int, default=96)
+    parser.add_argument("--prompt", default="ROMEO:\n")
+    parser.add_argument("--rows", type=int, default=15)
+    parser.add_argument("--trace", default=None, help="also write a Chrome trace here")
+    args = parser.parse_args()
+
+    torch._inductor.config.cpp.enable_kernel_profile = True
+    max_seq_len = 256
+    llm = LLM(args.model, num_speculative_tokens=args.num_speculative_tokens, graph_mode=args.graph_mode,
+              max_batch_size=1, max_seq_len=max_seq_len, batch_buckets=(1,), prefill_buckets=(max_seq_len,))
+    params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
+    prompt = args.prompt if llm.tokenizer is not None else [1, 2, 3, 4]
+    llm.generate(prompt, params)  # untimed: first-call costs
+    llm.engine.step_seconds.clear()
+    with profile(activities=[ProfilerActivity.CPU]) as profiler:
+        llm.generate(prompt, params)
+    steps = llm.engine.step_seconds
+    print(f"{args.graph_mode}, k={args.num_speculative_tokens}, batch 1: {len(steps)} steps, "
+          f"mean {1000 * statistics.fmean(steps):.2f} ms (profiler overhead included), warm-up {llm.engine.warmup_seconds:.0f} s")
+    print(profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.rows, max_name_column_width=60))
+    if args.trace:
+        profiler.export_chrome_trace(args.trace)
+
+
+if __name__ == "__main__":
+    main()
