@@ -8,6 +8,13 @@ from dataclasses import dataclass, field
 from .errors import CompiledSpecError
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Glm4MoeForCausalLM")
+# Configs saved without a model class name only carry model_type.
+ARCHITECTURE_OF_MODEL_TYPE = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "glm4_moe": "Glm4MoeForCausalLM",
+}
 
 
 class GraphMode(str, enum.Enum):
@@ -68,7 +75,8 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, raw: dict) -> "ModelConfig":
-        architectures = raw.get("architectures") or [raw.get("model_type", "?")]
+        model_type = raw.get("model_type", "?")
+        architectures = raw.get("architectures") or [ARCHITECTURE_OF_MODEL_TYPE.get(model_type, model_type)]
         architecture = architectures[0]
         if architecture not in SUPPORTED_ARCHITECTURES:
             raise CompiledSpecError(
