@@ -59,6 +59,7 @@ def build_llama_config(model_hyperparameters: dict, vocab_size: int, eos_token_i
         **{k: v for k, v in model_hyperparameters.items() if k != "num_nextn_predict_layers"},
     )
     config.num_nextn_predict_layers = model_hyperparameters["num_nextn_predict_layers"]
+    config.architectures = ["LlamaForCausalLM"]
     return config
 
 
