@@ -82,8 +82,9 @@ def markdown(results: dict, plot_names: list[str] = ()) -> str:
         "'= eager': accepted counts per position equal the eager cell's (same k, batch); "
         "'= HF': outputs identical to transformers' greedy ones.",
         "",
-        "| mode | k | batch | tokens/s | step p50 / p90 ms | acceptance by position | mean accepted length "
-        "| = eager | = HF | warm-up s | peak RSS MiB | " + " | ".join(f"× {name}" for name in anchors) + " |",
+        "| " + " | ".join(["mode", "k", "batch", "tokens/s", "step p50 / p90 ms", "acceptance by position",
+                           "mean accepted length", "= eager", "= HF", "warm-up s", "peak RSS MiB",
+                           *(f"× {name}" for name in anchors)]) + " |",
         "|" + "---|" * (11 + len(anchors)),
     ]
     lines += [engine_row(record, anchors) for record in engine_records(results)]
