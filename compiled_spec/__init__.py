@@ -3,6 +3,7 @@
 from .api import LLM
 from .config import GraphMode
 from .errors import CompiledSpecError
+from .hisparse import HiSparseConfig
 from .params import RequestOutput, SamplingParams, SpecStats
 
-__all__ = ["LLM", "GraphMode", "CompiledSpecError", "RequestOutput", "SamplingParams", "SpecStats"]
+__all__ = ["LLM", "GraphMode", "CompiledSpecError", "HiSparseConfig", "RequestOutput", "SamplingParams", "SpecStats"]

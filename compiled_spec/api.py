@@ -9,6 +9,8 @@ import torch
 from .checkpoint import load_model
 from .config import EngineConfig, GraphMode
 from .errors import CompiledSpecError
+from .hisparse.config import HiSparseConfig
+from .hisparse.indexer import attach_indexers
 from .model.rope import rotary_tables
 from .params import RequestOutput, SamplingParams, SpecStats
 from .runtime.engine import Engine, Request, TokenCallback
@@ -35,6 +37,7 @@ class LLM:
         prefill_buckets: tuple[int, ...] | None = None,
         warm_up: bool = True,
         show_progress: bool = True,
+        hisparse: HiSparseConfig | None = None,
     ):
         self.path = Path(model) if model is not None else DEFAULT_MODEL
         self.config = EngineConfig(
@@ -47,12 +50,15 @@ class LLM:
             seed=seed,
             batch_buckets=batch_buckets,
             prefill_buckets=prefill_buckets,
+            hisparse=hisparse,
         )
         if self.config.dtype not in ("float32", "bfloat16", "float16"):
             raise CompiledSpecError(f"dtype={dtype!r} is not supported; choose float32, bfloat16 or float16")
         self.model = load_model(self.path, getattr(torch, self.config.dtype), device)
         self.model_config = self.model.config
         self.config.validate(self.model_config)
+        if hisparse is not None:
+            attach_indexers(self.model, self.path, hisparse.scorer)
         self.tokenizer = load_tokenizer(self.path)
         self.eos_ids = eos_token_ids(self.path, self.model_config.eos_token_ids, self.tokenizer)
         self.engine = Engine(self.model, self.config, self.eos_ids, self.tokenizer)

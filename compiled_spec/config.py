@@ -159,6 +159,7 @@ class EngineConfig:
     seed: int = 0
     batch_buckets: tuple[int, ...] | None = None
     prefill_buckets: tuple[int, ...] | None = None
+    hisparse: "HiSparseConfig | None" = None
 
     def validate(self, model_config: ModelConfig) -> None:
         k = self.num_speculative_tokens
@@ -182,3 +183,9 @@ class EngineConfig:
             )
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise CompiledSpecError(f"dtype={self.dtype!r} is not supported; choose float32, bfloat16 or float16")
+        if self.hisparse is not None:
+            from .hisparse.config import HiSparseConfig
+
+            if not isinstance(self.hisparse, HiSparseConfig):
+                raise CompiledSpecError(f"hisparse={self.hisparse!r} must be None or a HiSparseConfig")
+            self.hisparse.validate(k)

@@ -28,11 +28,12 @@ class CausalLM(nn.Module):
         layout: PassLayout,
         key_caches: list[torch.Tensor],
         value_caches: list[torch.Tensor],
+        tiers: list | None = None,
     ) -> torch.Tensor:
         """token_ids [B, T] -> last hidden states after the final norm, [B, T, hidden]."""
         x = self.embed_tokens(token_ids)
-        for layer, key_cache, value_cache in zip(self.layers, key_caches, value_caches):
-            x = layer(x, layout, key_cache, value_cache)
+        for index, (layer, key_cache, value_cache) in enumerate(zip(self.layers, key_caches, value_caches)):
+            x = layer(x, layout, key_cache, value_cache, tiers[index] if tiers is not None else None)
         return self.norm(x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -47,7 +48,8 @@ class CausalLM(nn.Module):
         layout: PassLayout,
         key_cache: torch.Tensor,
         value_cache: torch.Tensor,
+        tiers=None,
     ) -> torch.Tensor:
         """Runs the module for draft depth `depth` (1-based); depths past the last module reuse it."""
         module = self.mtp[min(depth, len(self.mtp)) - 1]
-        return module(self.embed_tokens(token_ids), previous_hidden, layout, key_cache, value_cache)
+        return module(self.embed_tokens(token_ids), previous_hidden, layout, key_cache, value_cache, tiers)

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig
+from ..hisparse.attention import tiered_attention
 from .rope import apply_rotary
 
 
@@ -32,6 +33,9 @@ class PassLayout(NamedTuple):
     sin: torch.Tensor
     slots_are_prefix: bool
     opaque_attention: bool = False
+    # HiSparse: the config when this is a sparse decode pass, and the rows' (clamped) positions.
+    hisparse: object = None
+    positions: torch.Tensor | None = None
 
 
 def attend_with_cache(
@@ -109,8 +113,9 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         else:
             self.q_norm = self.k_norm = None
+        self.indexer = None  # set by compiled_spec.hisparse.indexer.attach_indexers when HiSparse is on
 
-    def forward(self, x: torch.Tensor, layout: PassLayout, key_cache: torch.Tensor, value_cache: torch.Tensor):
+    def forward(self, x: torch.Tensor, layout: PassLayout, key_cache: torch.Tensor, value_cache: torch.Tensor, tiers=None):
         batch, length, _ = x.shape
         q = self.q_proj(x).view(batch, length, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(batch, length, self.num_kv_heads, self.head_dim)
@@ -120,9 +125,12 @@ class Attention(nn.Module):
         q = apply_rotary(q, layout.cos, layout.sin)
         k = apply_rotary(k, layout.cos, layout.sin)
         attention = cached_attention_op if layout.opaque_attention else attend_with_cache
-        out = attention(
-            q, k, v, key_cache, value_cache, layout.slot_ids, layout.write_index, layout.attend, layout.slots_are_prefix
-        )
+        if tiers is not None:
+            out = tiered_attention(self, x, q, k, v, layout, key_cache, value_cache, tiers, dense=attention)
+        else:
+            out = attention(
+                q, k, v, key_cache, value_cache, layout.slot_ids, layout.write_index, layout.attend, layout.slots_are_prefix
+            )
         return self.o_proj(out.reshape(batch, length, self.num_heads * self.head_dim))
 
 
@@ -208,6 +216,6 @@ class DecoderLayer(nn.Module):
         else:
             self.mlp = MLP(config.hidden_size, config.intermediate_size)
 
-    def forward(self, x, layout: PassLayout, key_cache: torch.Tensor, value_cache: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), layout, key_cache, value_cache)
+    def forward(self, x, layout: PassLayout, key_cache: torch.Tensor, value_cache: torch.Tensor, tiers=None) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), layout, key_cache, value_cache, tiers)
         return x + self.mlp(self.post_attention_layernorm(x))

@@ -32,9 +32,10 @@ class MtpModule(nn.Module):
         layout: PassLayout,
         key_cache: torch.Tensor,
         value_cache: torch.Tensor,
+        tiers=None,
     ) -> torch.Tensor:
         parts = [self.enorm(token_embeds), self.hnorm(previous_hidden)]
         if self.hidden_first:
             parts.reverse()
         x = self.eh_proj(torch.cat(parts, dim=-1))
-        return self.post_norm(self.block(x, layout, key_cache, value_cache))
+        return self.post_norm(self.block(x, layout, key_cache, value_cache, tiers))

@@ -16,6 +16,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ..config import EngineConfig, GraphMode
+from ..hisparse.indexer import index_key_dims
 from ..model.causal_lm import CausalLM
 from ..model.rope import rotary_tables
 from ..params import RequestOutput, SamplingParams, SpecStats
@@ -44,8 +45,10 @@ class Engine:
         self.k = config.num_speculative_tokens
         device = torch.device(config.device)
         dtype = getattr(torch, config.dtype)
+        hisparse = config.hisparse
         self.state = DecodeState.allocate(
-            model.config, config.max_batch_size, config.max_seq_len, self.k, dtype, device
+            model.config, config.max_batch_size, config.max_seq_len, self.k, dtype, device,
+            **(dict(hot_rows=hisparse.hot_rows, index_dims=index_key_dims(model, self.k)) if hisparse else {}),
         )
         cos, sin = rotary_tables(model.config, self.state.cache_capacity)
         self.constants = StepConstants(
@@ -53,6 +56,7 @@ class Engine:
             rope_sin=sin.to(device=device, dtype=dtype),
             eos_ids=torch.tensor(eos_ids, dtype=torch.int64, device=device),
             max_seq_len=config.max_seq_len,
+            hisparse=hisparse,
         )
         self.eos_ids = set(eos_ids)
         self.batch_buckets = checked_buckets(

@@ -7,11 +7,12 @@ frees a request, between steps. Slot i is batch row i: active requests occupy sl
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 import torch
 
 from ..config import ModelConfig
+from ..hisparse.tiers import allocate_tiers
 
 
 @dataclass(eq=False)
@@ -42,6 +43,12 @@ class DecodeState:
     main_values: list[torch.Tensor]
     draft_keys: list[torch.Tensor]
     draft_values: list[torch.Tensor]
+    # HiSparse tiers (compiled_spec/hisparse/tiers.py), one per main layer then one per draft depth; empty when off.
+    index_keys: list[torch.Tensor] = field(default_factory=list)  # [slots, capacity, index_dim]
+    hot_keys: list[torch.Tensor] = field(default_factory=list)  # [slots, hot_rows + 1, kv_heads, head_dim]
+    hot_values: list[torch.Tensor] = field(default_factory=list)
+    hot_positions: list[torch.Tensor] = field(default_factory=list)  # [slots, hot_rows + 1] int64, -1 = empty
+    hot_last_used: list[torch.Tensor] = field(default_factory=list)  # [slots, hot_rows + 1] int64, LRU clock
 
     @property
     def num_slots(self) -> int:
@@ -72,7 +79,10 @@ class DecodeState:
         num_speculative_tokens: int,
         dtype: torch.dtype,
         device: str | torch.device,
+        hot_rows: int | None = None,
+        index_dims: list[int] | tuple[int, ...] = (),
     ) -> "DecodeState":
+        """hot_rows and index_dims (one per main layer, then per draft depth) turn on the HiSparse tiers."""
         k = num_speculative_tokens
         # Rows up to position max_seq_len - 1 + k are written by a step; one more is the trash position.
         capacity = max_seq_len + k + 1
@@ -105,6 +115,7 @@ class DecodeState:
             main_values=caches(config.num_hidden_layers),
             draft_keys=caches(k),
             draft_values=caches(k),
+            **(allocate_tiers(hot_rows, index_dims, num_slots, capacity, *cache_shape[2:], dtype, device) if hot_rows else {}),
         )
 
 

@@ -16,6 +16,7 @@ from typing import NamedTuple
 
 import torch
 
+from ..hisparse.tiers import draft_tiers, main_tiers, mirror_new_rows, reset_hot_rows, tier_field_names
 from ..model.causal_lm import CausalLM
 from ..model.layers import PassLayout
 from . import rng
@@ -31,6 +32,7 @@ class StepConstants(NamedTuple):
     eos_ids: torch.Tensor  # [num_eos] int64
     max_seq_len: int
     opaque_attention: bool = False
+    hisparse: object = None  # HiSparseConfig: decode passes attend sparsely over tiered caches
 
 
 def make_layout(
@@ -40,8 +42,12 @@ def make_layout(
     positions: torch.Tensor,
     writable: torch.Tensor,
     slots_are_prefix: bool,
+    sparse: bool = False,
 ) -> PassLayout:
-    """Rows at `positions` [B, T]; rows that are not `writable` or lie before position 0 write to the trash."""
+    """Rows at `positions` [B, T]; rows that are not `writable` or lie before position 0 write to the trash.
+
+    sparse: a decode pass, which attends sparsely when HiSparse is on (prefill stays dense).
+    """
     clamped = positions.clamp(min=0)
     write_index = torch.where(writable & (positions >= 0), positions, state.trash_position)
     cache_positions = torch.arange(state.cache_capacity, device=positions.device)
@@ -54,6 +60,8 @@ def make_layout(
         sin=constants.rope_sin[clamped],
         slots_are_prefix=slots_are_prefix,
         opaque_attention=constants.opaque_attention,
+        hisparse=constants.hisparse if sparse else None,
+        positions=clamped,
     )
 
 
@@ -68,7 +76,7 @@ def state_writes(state: DecodeState) -> tuple[str, ...]:
         names += [f"draft_keys[{i}]" for i in range(k)] + [f"draft_values[{i}]" for i in range(k)]
     if k > 1:
         names.append("carry_hidden")
-    return tuple(names)
+    return tuple(names + tier_field_names(state))
 
 
 def _row_params(state: DecodeState, rows: torch.Tensor):
@@ -88,6 +96,7 @@ def _draft_chain(
     producing_index: torch.Tensor,
     writable_rows: torch.Tensor,
     next_position: torch.Tensor,
+    sparse: bool = False,
 ):
     """Runs draft depths 1..k over their windows and samples one draft per depth.
 
@@ -115,12 +124,17 @@ def _draft_chain(
         # Depth m row i reads t_{i+m}: window index j holds row start + j, token index j + m - 1 - (m - 1) = j.
         tokens = window_tokens[:, :window]
         writable = torch.cat([torch.ones_like(writable_rows[:, :1]).expand(batch, depth - 1), writable_rows], dim=1)
-        layout = make_layout(state, constants, slot_ids, positions, writable, slots_are_prefix)
+        layout = make_layout(state, constants, slot_ids, positions, writable, slots_are_prefix, sparse)
         if depth > 1:
             previous = torch.cat([carry_hidden[:, depth - 2 : depth - 1], previous], dim=1)
+        tiers = draft_tiers(state, depth)
         hidden = model.mtp_hidden_states(
-            depth, tokens, previous, layout, state.draft_keys[depth - 1], state.draft_values[depth - 1]
+            depth, tokens, previous, layout, state.draft_keys[depth - 1], state.draft_values[depth - 1], tiers
         )
+        if layout.hisparse is not None and layout.hisparse.draft_mirror:
+            # The draft mirror: this depth's new rows reach its cold pool before any later pass reads them.
+            mirror_new_rows(tiers, state.draft_keys[depth - 1], state.draft_values[depth - 1], slot_ids,
+                            layout.write_index, state.trash_position)
         pick = (producing_index + depth - 1)[:, None, None].expand(batch, 1, hidden.shape[-1])
         logits = model.logits(hidden.gather(1, pick)[:, 0])
         depth_probs = sampling_probs(logits, temperature, top_k, top_p)
@@ -173,8 +187,13 @@ def speculative_step(model: CausalLM, state: DecodeState, constants: StepConstan
     verify_tokens = torch.cat([state.pending_tokens[:batch_size, None], drafts], dim=1)
     offsets = torch.arange(k + 1, device=rows.device)
     positions = first_row[:, None] + offsets
-    layout = make_layout(state, constants, rows, positions, writable, True)
-    hidden = model.hidden_states(verify_tokens, layout, state.main_keys, state.main_values)
+    layout = make_layout(state, constants, rows, positions, writable, True, sparse=True)
+    tiers = main_tiers(state)
+    hidden = model.hidden_states(verify_tokens, layout, state.main_keys, state.main_values, tiers)
+    if layout.hisparse is not None:
+        for layer, layer_tiers in enumerate(tiers):
+            mirror_new_rows(layer_tiers, state.main_keys[layer], state.main_values[layer], rows,
+                            layout.write_index, state.trash_position)
     target_probs = sampling_probs(model.logits(hidden), temperature, top_k, top_p)
     accepted, next_token = verify_drafts(target_probs, state.draft_probs[:batch_size], drafts, seeds, seq_lens)
 
@@ -200,6 +219,7 @@ def speculative_step(model: CausalLM, state: DecodeState, constants: StepConstan
             producing_index=accepted,
             writable_rows=writable,
             next_position=new_seq_lens,
+            sparse=True,
         )
         keep = active[:, None]
         _write_rows(state.draft_tokens, rows, torch.where(keep, new_drafts, drafts))
@@ -232,7 +252,8 @@ def prefill(
     positions = torch.arange(width, device=prompt_ids.device)[None, :]
     real = positions < prompt_len[:, None]
     layout = make_layout(state, constants, slot, positions, real, False)
-    hidden = model.hidden_states(prompt_ids, layout, state.main_keys, state.main_values)
+    reset_hot_rows(state, slot)
+    hidden = model.hidden_states(prompt_ids, layout, state.main_keys, state.main_values, main_tiers(state))
     last = (prompt_len - 1)[:, None, None].expand(1, 1, hidden.shape[-1])
     temperature, top_k, top_p = _row_params(state, slot)
     probs = sampling_probs(model.logits(hidden.gather(1, last)[:, 0]), temperature, top_k, top_p)

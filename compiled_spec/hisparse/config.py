@@ -1,0 +1,55 @@
+"""HiSparse options: how many past tokens each query attends to, and how many rows the hot buffer holds."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..errors import CompiledSpecError
+
+SCORERS = ("auto", "indexer", "keys")
+
+
+@dataclass(frozen=True)
+class HiSparseConfig:
+    """Sparse attention over a tiered KV cache, for decode steps (prefill stays dense).
+
+    top_k_tokens: past tokens each query attends to, chosen by the indexer score.
+    hot_rows: rows of the per-request, per-layer hot buffer (LRU); misses are swapped in from the
+        cold pool, which keeps the full history.
+    scorer: "indexer" needs lightning-indexer weights in the checkpoint; "keys" is the training-free
+        scorer (the layer's own queries against its keys, mean-pooled over KV heads); "auto" uses the
+        indexer where the checkpoint has one.
+    draft_mirror: copy the MTP draft layers' new rows to the cold pool after the drafter writes them.
+        Only tests turn it off (it injects the fault behind the acceptance-collapse bug).
+    """
+
+    top_k_tokens: int = 64
+    hot_rows: int = 128
+    scorer: str = "auto"
+    draft_mirror: bool = True
+
+    def validate(self, num_speculative_tokens: int) -> None:
+        top_k, hot = self.top_k_tokens, self.hot_rows
+        if not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 1:
+            raise CompiledSpecError(f"top_k_tokens={top_k!r} is out of range; it must be an integer of at least 1")
+        if not isinstance(hot, int) or isinstance(hot, bool) or hot < 1:
+            raise CompiledSpecError(f"hot_rows={hot!r} is out of range; it must be an integer of at least 1")
+        if hot < top_k:
+            raise CompiledSpecError(
+                f"hot_rows={hot} is smaller than top_k_tokens={top_k}; the hot buffer must hold one query's selection"
+            )
+        width = decode_pass_width(num_speculative_tokens)
+        if hot < top_k + width:
+            raise CompiledSpecError(
+                f"hot_rows={hot} is too small: a decode pass writes up to {width} new rows per layer "
+                f"(num_speculative_tokens={num_speculative_tokens}) besides the top_k_tokens={top_k} it reads; "
+                f"use hot_rows >= {top_k + width}"
+            )
+        if self.scorer not in SCORERS:
+            raise CompiledSpecError(f"scorer={self.scorer!r} is not known; choose one of: {', '.join(SCORERS)}")
+
+
+def decode_pass_width(num_speculative_tokens: int) -> int:
+    """Rows the widest decode pass writes per layer: verify writes k+1, draft depth k re-runs 2k (draft-extend)."""
+    k = num_speculative_tokens
+    return max(k + 1, 2 * k)
