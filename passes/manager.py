@@ -49,10 +49,17 @@ class SpecPassManager(CustomGraphPass):
         for graph_pass in self.passes:
             digest.update(inspect.getsource(type(graph_pass)).encode())
             digest.update(inspect.getsource(inspect.getmodule(type(graph_pass))).encode())
+            digest.update(getattr(graph_pass, "cache_key", lambda: "")().encode())  # what else its output depends on
         digest.update(inspect.getsource(inspect.getmodule(SpecPassManager)).encode())
         digest.update(self.context.cache_key().encode())
         return digest.hexdigest()
 
 
-def default_passes() -> list:
-    return [AuditPass(), StateMutationPass()]
+def default_passes(hisparse=None) -> list:
+    """The audit and state-mutation passes; with a HiSparseConfig, the HiSparse fusion pass first."""
+    passes = [AuditPass(), StateMutationPass()]
+    if hisparse is not None:
+        from .hisparse_fusion import HiSparseFusionPass
+
+        passes.insert(0, HiSparseFusionPass(hisparse))
+    return passes

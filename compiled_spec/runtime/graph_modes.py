@@ -43,7 +43,7 @@ def inductor_options(mode: GraphMode, device: torch.device) -> dict:
     if mode == GraphMode.PIECEWISE:
         return {
             "graph_partition": True,
-            "custom_should_partition_ops": ["compiled_spec::cached_attention"],
+            "custom_should_partition_ops": ["compiled_spec::cached_attention", "compiled_spec::hisparse_attention"],
             "triton.cudagraphs": cuda,
         }
     return {"triton.cudagraphs": False}
@@ -90,8 +90,11 @@ class StepRunner:
         writes = state_writes(state)
         compiled = {}
         for name, function in (("step", step_function), ("prefill", prefill_function)):
-            context = PassContext(graph_name=f"{name} ({mode.value})", state_writes=writes, options=options)
-            manager = SpecPassManager(passes if passes is not None else default_passes(), context)
+            context = PassContext(
+                graph_name=f"{name} ({mode.value})", state_writes=writes,
+                options={**options, **({"hisparse": repr(constants.hisparse)} if constants.hisparse else {})},
+            )
+            manager = SpecPassManager(passes if passes is not None else default_passes(constants.hisparse), context)
             self.managers[name] = manager
             compiled[name] = torch.compile(function, fullgraph=True, dynamic=False, backend=spec_backend(options, manager))
         self._step, self._prefill = compiled["step"], compiled["prefill"]
