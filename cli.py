@@ -104,8 +104,15 @@ def main():
 @click.option("--ignore-eos", "ignore_eos", is_flag=True, help="Keep going past the end-of-sequence token.")
 @click.option("--json", "as_json", is_flag=True,
               help="Print one JSON object per prompt, then one with the aggregate (JSON lines).")
+@click.option("--hisparse", is_flag=True,
+              help="Sparse attention for decode steps: each query reads its top tokens (by an indexer score) "
+                   "through a small LRU hot buffer backed by the full KV history.")
+@click.option("--top-k-tokens", "top_k_tokens", type=int, default=None, metavar="N",
+              help="With --hisparse: past tokens each query attends to.  [default: 64]")
+@click.option("--hot-rows", "hot_rows", type=int, default=None, metavar="N",
+              help="With --hisparse: rows of each layer's hot buffer, per request.  [default: 128]")
 def generate(prompts, prompt_ids, model, num_speculative_tokens, temperature, top_p, top_k, max_tokens, seed,
-             graph_mode, max_batch_size, max_seq_len, stop, ignore_eos, as_json):
+             graph_mode, max_batch_size, max_seq_len, stop, ignore_eos, as_json, hisparse, top_k_tokens, hot_rows):
     """Generate text for each PROMPT with MTP speculative decoding.
 
     Each step the MTP module(s) draft k tokens; the main model verifies them in one pass and keeps
@@ -122,7 +129,10 @@ def generate(prompts, prompt_ids, model, num_speculative_tokens, temperature, to
       compiled-spec generate "ROMEO:"
       compiled-spec generate "ROMEO:" "JULIET:" -k 2 --temperature 0.8 --seed 7 --stop "\\n\\n"
       compiled-spec generate --model ./tiny --prompt-ids 2,17,5 --prompt-ids 9,9 --json
+      compiled-spec generate "ROMEO:" --hisparse --top-k-tokens 32 --hot-rows 64
     """
+    if not hisparse and (top_k_tokens is not None or hot_rows is not None):
+        raise click.UsageError("--top-k-tokens and --hot-rows need --hisparse")
     all_prompts = [*prompts, *(parse_ids(text) for text in prompt_ids)]
     if not all_prompts:
         raise click.UsageError("no prompt given; pass PROMPT text or --prompt-ids 1,2,3")
@@ -130,14 +140,19 @@ def generate(prompts, prompt_ids, model, num_speculative_tokens, temperature, to
         if not prompt:
             raise click.UsageError(f"prompt {number} is empty ({prompt!r}); a prompt needs at least one token")
 
-    from compiled_spec import LLM, CompiledSpecError, SamplingParams
+    from compiled_spec import LLM, CompiledSpecError, HiSparseConfig, SamplingParams
     from compiled_spec import cli_format
 
     try:
+        sparse = None
+        if hisparse:
+            defaults = HiSparseConfig()
+            sparse = HiSparseConfig(top_k_tokens=defaults.top_k_tokens if top_k_tokens is None else top_k_tokens,
+                                    hot_rows=defaults.hot_rows if hot_rows is None else hot_rows)
         params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens,
                                 stop=[unescape(text) for text in stop] or None, ignore_eos=ignore_eos)
         llm = LLM(model, num_speculative_tokens=num_speculative_tokens, graph_mode=graph_mode,
-                  max_batch_size=max_batch_size, max_seq_len=max_seq_len, seed=seed)
+                  max_batch_size=max_batch_size, max_seq_len=max_seq_len, seed=seed, hisparse=sparse)
         if llm.tokenizer is None and any(isinstance(p, str) for p in all_prompts):
             raise CompiledSpecError(f"model {str(llm.path)!r} has no tokenizer; pass prompts as --prompt-ids 1,2,3")
     except CompiledSpecError as error:

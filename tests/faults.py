@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import fields
 
 from compiled_spec.runtime.graph_modes import StepRunner
@@ -28,3 +29,10 @@ class PositionsInPythonRunner(StepRunner):
 
     def step(self, batch_size: int):
         self.state.seq_lens = super().step(batch_size).clone()
+
+
+def without_draft_mirror(config):
+    """HiSparse with the draft-layer mirror skipped: the MTP layers' new KV rows stay in their hot buffers and
+    never reach the cold pool (in vLLM the draft layer wrote after the per-step host mirror had run), so a
+    row evicted and later swapped back in comes from a stale cold pool."""
+    return dataclasses.replace(config, draft_mirror=False)
