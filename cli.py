@@ -92,9 +92,10 @@ def main():
               help="New tokens per prompt, at most.")
 @click.option("--seed", type=click.IntRange(0, 2**32 - 1), default=0, show_default=True,
               help="Base seed for sampling; each prompt gets its own seed derived from it.")
-@click.option("--graph-mode", "graph_mode", type=click.Choice(GRAPH_MODES), default="eager", show_default=True,
+@click.option("--graph-mode", "graph_mode", type=click.Choice(GRAPH_MODES), default=None,
               help="eager: no compilation; compile: torch.compile; piecewise: compiled pieces, attention outside; "
-                   "full: the whole speculative step as one graph.")
+                   "full: the whole speculative step as one graph (max-autotune; cudagraphs on CUDA). "
+                   "Default: full on CUDA, eager on CPU (full compiles for minutes there, every run).")
 @click.option("--max-batch-size", "max_batch_size", type=int, default=8, show_default=True,
               help="Prompts decoded together; more prompts wait for a free slot.")
 @click.option("--max-seq-len", "max_seq_len", type=int, default=512, show_default=True,
@@ -165,7 +166,7 @@ def generate(prompts, prompt_ids, model, num_speculative_tokens, temperature, to
     outputs = llm.generate(all_prompts, params, on_tokens=streamer.on_tokens if streamer else None)
     elapsed = time.perf_counter() - start
 
-    summary = cli_format.Summary(llm.num_speculative_tokens, graph_mode, outputs, elapsed)
+    summary = cli_format.Summary(llm.num_speculative_tokens, llm.config.graph_mode.value, outputs, elapsed)
     for index, (prompt, output) in enumerate(zip(all_prompts, outputs)):
         if as_json:
             click.echo(cli_format.to_json(cli_format.request_record(index, prompt, output)))

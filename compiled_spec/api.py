@@ -27,7 +27,7 @@ class LLM:
         model: str | Path | None = None,
         *,
         num_speculative_tokens: int = 3,
-        graph_mode: str | GraphMode = GraphMode.EAGER,
+        graph_mode: str | GraphMode | None = None,
         max_batch_size: int = 8,
         max_seq_len: int = 512,
         device: str = "cpu",
@@ -42,7 +42,7 @@ class LLM:
         self.path = Path(model) if model is not None else DEFAULT_MODEL
         self.config = EngineConfig(
             num_speculative_tokens=num_speculative_tokens,
-            graph_mode=GraphMode.parse(graph_mode),
+            graph_mode=GraphMode.default_for(device) if graph_mode is None else GraphMode.parse(graph_mode),
             max_batch_size=max_batch_size,
             max_seq_len=max_seq_len,
             device=device,

@@ -24,6 +24,12 @@ class GraphMode(str, enum.Enum):
     FULL = "full"
 
     @classmethod
+    def default_for(cls, device: str) -> "GraphMode":
+        """full where graphs are captured and replayed (CUDA); eager on CPU, where full's frozen,
+        autotuned graphs cost minutes of compilation in every new process."""
+        return cls.FULL if str(device).startswith("cuda") else cls.EAGER
+
+    @classmethod
     def parse(cls, value: "str | GraphMode") -> "GraphMode":
         try:
             return cls(value)
