@@ -52,9 +52,7 @@ class LLM:
             prefill_buckets=prefill_buckets,
             hisparse=hisparse,
         )
-        if self.config.dtype not in ("float32", "bfloat16", "float16"):
-            raise CompiledSpecError(f"dtype={dtype!r} is not supported; choose float32, bfloat16 or float16")
-        self.model = load_model(self.path, getattr(torch, self.config.dtype), device)
+        self.model = load_model(self.path, self.config.torch_dtype(), device)
         self.model_config = self.model.config
         self.config.validate(self.model_config)
         if hisparse is not None:
@@ -133,7 +131,7 @@ class LLM:
     def _teacher_forced_hidden(self, token_ids: list[int]):
         ids = self._check_prompt(list(token_ids))
         config, device = self.model_config, self.config.device
-        dtype = getattr(torch, self.config.dtype)
+        dtype = self.config.torch_dtype()
         state = DecodeState.allocate(config, 1, len(ids) + 1, max(1, self.config.num_speculative_tokens), dtype, device)
         cos, sin = rotary_tables(config, state.cache_capacity)
         constants = StepConstants(cos.to(device, dtype), sin.to(device, dtype), torch.zeros(0, dtype=torch.int64), len(ids) + 1)

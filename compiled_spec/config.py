@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from .errors import CompiledSpecError
+
+if TYPE_CHECKING:
+    from .hisparse.config import HiSparseConfig
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Glm4MoeForCausalLM")
 # Configs saved without a model class name only carry model_type.
@@ -167,6 +171,13 @@ class EngineConfig:
     prefill_buckets: tuple[int, ...] | None = None
     hisparse: "HiSparseConfig | None" = None
 
+    def torch_dtype(self):
+        import torch
+
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise CompiledSpecError(f"dtype={self.dtype!r} is not supported; choose float32, bfloat16 or float16")
+        return getattr(torch, self.dtype)
+
     def validate(self, model_config: ModelConfig) -> None:
         k = self.num_speculative_tokens
         if not isinstance(k, int) or not 0 <= k <= MAX_SPECULATIVE_TOKENS:
@@ -187,8 +198,7 @@ class EngineConfig:
                 f"max_seq_len={self.max_seq_len!r} is out of range; allowed 2..{limit} "
                 "(the model's max_position_embeddings)"
             )
-        if self.dtype not in ("float32", "bfloat16", "float16"):
-            raise CompiledSpecError(f"dtype={self.dtype!r} is not supported; choose float32, bfloat16 or float16")
+        self.torch_dtype()
         if self.hisparse is not None:
             from .hisparse.config import HiSparseConfig
 

@@ -19,7 +19,7 @@ from ..config import EngineConfig, GraphMode
 from ..hisparse.indexer import index_key_dims
 from ..model.causal_lm import CausalLM
 from ..model.rope import rotary_tables
-from ..params import RequestOutput, SamplingParams, SpecStats
+from ..params import RequestOutput, SamplingParams
 from ..spec.state import DecodeState, move_slot
 from ..spec.step import StepConstants
 from .buckets import checked_buckets, default_batch_buckets, default_prefill_buckets, pick_bucket
@@ -44,7 +44,7 @@ class Engine:
         self.tokenizer = tokenizer
         self.k = config.num_speculative_tokens
         device = torch.device(config.device)
-        dtype = getattr(torch, config.dtype)
+        dtype = config.torch_dtype()
         hisparse = config.hisparse
         self.state = DecodeState.allocate(
             model.config, config.max_batch_size, config.max_seq_len, self.k, dtype, device,
@@ -194,6 +194,3 @@ class Engine:
         self.slots.pop()
         self.state.done[last] = True
 
-
-def new_stats(k: int) -> SpecStats:
-    return SpecStats(num_speculative_tokens=k)

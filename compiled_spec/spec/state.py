@@ -65,8 +65,8 @@ class DecodeState:
 
     def tensors(self) -> list[torch.Tensor]:
         out = []
-        for field in fields(self):
-            value = getattr(self, field.name)
+        for state_field in fields(self):
+            value = getattr(self, state_field.name)
             out.extend(value if isinstance(value, list) else [value])
         return out
 
