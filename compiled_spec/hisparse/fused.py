@@ -2,9 +2,9 @@
 
 Same contract and results as reference.sparse_attention (the fusion pass swaps one for the other).
 The CPU implementation makes fewer passes over the tiers: residency is resolved through an inverse
-map (position -> hot row) instead of comparing every wanted position with every hot row, new rows
-and swap-ins land in the hot buffer in one scatter per tensor, and attention runs as one SDPA call
-over each query's K gathered rows. The op is functional (it returns new tiers); the caller writes
+map (position -> hot row) instead of comparing every wanted position with every hot row, rows move
+as contiguous rows of flattened buffers (new rows and swap-ins land in the hot buffer with one
+index_copy_ per tensor), and attention runs as one SDPA call over each query's K gathered rows. The op is functional (it returns new tiers); the caller writes
 them back into the persistent buffers, inside the graph.
 """
 
@@ -84,33 +84,34 @@ def _fused_cpu(
     last_used = torch.where(hit_rows, clock_column, last_used)
     set_rows(wanted.masked_fill(~fits, -1), swap_target)
 
-    # One scatter per tensor: new rows, then swap-ins from the cold pool (distinct rows, trash aside).
-    source = wanted.clamp(min=0)
-    targets = torch.cat([write_target, swap_target], dim=1)
-    out_tiers = []
+    # Rows move as contiguous [KVH * D] rows of flattened buffers: one index_copy_ per tensor for new rows and
+    # swap-ins together (distinct rows, trash aside), index_select for reads.
+    kv_heads, dim = hot_keys.shape[2], hot_keys.shape[3]
+    batch_ids = torch.arange(batch, device=q.device)[:, None]
+    hot_base, cold_base = batch_ids * slots, batch_ids * capacity
+    hot_index = torch.cat([(hot_base + write_target).flatten(), (hot_base + swap_target).flatten()])
+    swap_source = (cold_base + wanted.clamp(min=0)).flatten()
+    selected_flat = selected.reshape(batch, -1)
+    row = rows_of(selected_flat)
+    read_hot, read_cold = (hot_base + row.clamp(min=0)).flatten(), (cold_base + selected_flat).flatten()
+    resident = (row >= 0).view(-1, 1)
+    top = selected.shape[-1]
+    out_tiers, attended = [], []
     for hot, new, cold in ((hot_keys, new_keys, cold_keys), (hot_values, new_values, cold_values)):
-        rows = torch.cat([new.to(hot.dtype), cold.gather(1, _rows(source, cold)).to(hot.dtype)], dim=1)
-        out_tiers.append(hot.scatter(1, _rows(targets, hot), rows))
+        hot_rows = hot.reshape(batch * slots, kv_heads * dim).clone()
+        cold_rows = cold.reshape(batch * capacity, kv_heads * dim)
+        incoming = torch.cat([new.reshape(batch * length, -1).to(hot.dtype), cold_rows.index_select(0, swap_source).to(hot.dtype)])
+        hot_rows.index_copy_(0, hot_index, incoming)
+        read = torch.where(resident, hot_rows.index_select(0, read_hot), cold_rows.index_select(0, read_cold).to(hot.dtype))
+        out_tiers.append(hot_rows.view_as(hot))
+        attended.append(read.view(batch * length, top, kv_heads, dim).transpose(1, 2).float())
     keys_hot, values_hot = out_tiers
 
-    # Attention over each query's K rows: from the hot buffer, or the cold pool where a miss did not fit.
-    flat = selected.reshape(batch, -1)
-    row = rows_of(flat)
-    resident = _rows(row >= 0, cold_keys)
-    top = selected.shape[-1]
-    kv_heads, dim = hot_keys.shape[2], hot_keys.shape[3]
-
-    def gather(hot, cold):
-        rows = torch.where(resident, hot.gather(1, _rows(row.clamp(min=0), hot)), cold.gather(1, _rows(flat, cold)))
-        return rows.view(batch * length, top, kv_heads, dim).transpose(1, 2).float()
-
+    # Attention over each query's K rows (GQA: query head h reads KV head h // (H / KVH)).
     heads = q.shape[2]
     out = F.scaled_dot_product_attention(
-        q.reshape(batch * length, 1, heads, dim).transpose(1, 2).float(),
-        gather(keys_hot, cold_keys),
-        gather(values_hot, cold_values),
-        attn_mask=valid.view(batch * length, 1, 1, top),
-        enable_gqa=True,
+        q.reshape(batch * length, 1, heads, dim).transpose(1, 2).float(), *attended,
+        attn_mask=valid.view(batch * length, 1, 1, top), enable_gqa=True,
     )
     out = out.transpose(1, 2).reshape(batch, length, heads, dim).to(q.dtype)
     return out, keys_hot, values_hot, positions, last_used

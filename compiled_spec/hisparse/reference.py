@@ -17,8 +17,8 @@ Shapes, per pass of B rows and T query tokens, for one layer:
   live [B] bool: rows that may change the tiers (done rows only read).
 
 Written for the fusion pass's pattern matcher: no op makes a tensor from nothing (no arange/full;
-under freezing those fold into constants) and no value is computed twice (freezing deduplicates
-common subexpressions, so the graph would no longer have the pattern's shape).
+under freezing those would fold into constants and the graph would no longer have the pattern's
+shape), and the index_w=None branch keeps a constant weight tensor out of the graph.
 """
 
 from __future__ import annotations
