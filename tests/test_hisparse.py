@@ -356,3 +356,18 @@ def test_cli_bad_hisparse_options_are_one_error_line(tiny_checkpoint, args, name
                               "--max-seq-len", "64", *args)
     assert result.exit_code == 2, result.output
     assert result.stderr.startswith("error: ") and result.stderr.count("\n") == 1 and named in result.stderr
+
+
+@pytest.mark.parametrize("name, mtp_prefixes", [
+    ("predictive", ["model.layers.1", "model.layers.2"]),
+    ("llama_mimo", ["model.mtp_layers.0", "model.mtp_layers.1"]),
+    ("llama_mtp_indexed", ["mtp.0", "mtp.1"]),
+])
+def test_trained_indexer_weights_are_named_in_the_checkpoint_layout(tiny_checkpoint, name, mtp_prefixes):
+    from compiled_spec.hisparse.train_indexer import checkpoint_prefixes
+
+    checkpoint = tiny_checkpoint(name)
+    layers = checkpoint.model.config.num_hidden_layers
+    expected = {f"layers.{i}": f"model.layers.{i}" for i in range(layers)}
+    expected.update({f"mtp.{j}.block": prefix for j, prefix in enumerate(mtp_prefixes)})
+    assert checkpoint_prefixes(checkpoint.path, layers) == expected
