@@ -2,8 +2,9 @@
 
 Matches: the subgraph that compiled_spec/hisparse/reference.py:sparse_attention lowers to (indexer
 scores, top-k, residency resolve, swap-in, gathers, attention), one per tiered layer, found with
-inductor's pattern matcher: the reference is traced into an aten pattern (sizes ignored), and each
-candidate is re-checked against a trace at its own shapes.
+inductor's pattern matcher: the reference is traced into an aten pattern the way inductor has shaped
+the graph by then (scalars as `full`, views as reshapes; a second variant with freezing's CSE), with
+sizes ignored and nodes allowed to feed other layers too; a match must select top_k_tokens tokens.
 Writes: the fused op in place of the subgraph. The op returns the same five values (output and the
 four hot tiers); the copies of the tiers into their persistent buffers stay in the graph as they were.
 Why it is safe: the op computes what the reference computes (tests/test_hisparse.py checks both on
