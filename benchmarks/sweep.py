@@ -113,6 +113,9 @@ def compare(records: list[dict]) -> None:
         base = eager.get((record["num_speculative_tokens"], record["batch_size"]))
         if base is not None and base is not record:
             record["acceptance_equals_eager"] = base["accepted_per_position"] == record["accepted_per_position"]
+            record["accepted_differs_from_eager_by"] = sum(
+                abs(a - b) for a, b in zip(base["accepted_per_position"], record["accepted_per_position"])
+            )
         if reference is not None:
             record["outputs_equal_to_hf_eager"] = sum(
                 a == b for a, b in zip(record["output_digests"], reference["output_digests"])
