@@ -56,6 +56,7 @@ class Engine:
             rope_sin=sin.to(device=device, dtype=dtype),
             eos_ids=torch.tensor(eos_ids, dtype=torch.int64, device=device),
             max_seq_len=config.max_seq_len,
+            opaque_attention=config.graph_mode == GraphMode.PIECEWISE,
             hisparse=hisparse,
         )
         self.eos_ids = set(eos_ids)
