@@ -6,6 +6,7 @@ compiled_spec (and so torch) is imported inside the commands, so `--help` answer
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 import time
@@ -132,8 +133,6 @@ def generate(prompts, prompt_ids, model, num_speculative_tokens, temperature, to
       compiled-spec generate --model ./tiny --prompt-ids 2,17,5 --prompt-ids 9,9 --json
       compiled-spec generate "ROMEO:" --hisparse --top-k-tokens 32 --hot-rows 64
     """
-    if not hisparse and (top_k_tokens is not None or hot_rows is not None):
-        raise click.UsageError("--top-k-tokens and --hot-rows need --hisparse")
     all_prompts = [*prompts, *(parse_ids(text) for text in prompt_ids)]
     if not all_prompts:
         raise click.UsageError("no prompt given; pass PROMPT text or --prompt-ids 1,2,3")
@@ -141,15 +140,11 @@ def generate(prompts, prompt_ids, model, num_speculative_tokens, temperature, to
         if not prompt:
             raise click.UsageError(f"prompt {number} is empty ({prompt!r}); a prompt needs at least one token")
 
-    from compiled_spec import LLM, CompiledSpecError, HiSparseConfig, SamplingParams
+    from compiled_spec import LLM, CompiledSpecError, SamplingParams
     from compiled_spec import cli_format
 
     try:
-        sparse = None
-        if hisparse:
-            defaults = HiSparseConfig()
-            sparse = HiSparseConfig(top_k_tokens=defaults.top_k_tokens if top_k_tokens is None else top_k_tokens,
-                                    hot_rows=defaults.hot_rows if hot_rows is None else hot_rows)
+        sparse = hisparse_config(hisparse, top_k_tokens, hot_rows)
         params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens,
                                 stop=[unescape(text) for text in stop] or None, ignore_eos=ignore_eos)
         llm = LLM(model, num_speculative_tokens=num_speculative_tokens, graph_mode=graph_mode,
@@ -242,8 +237,13 @@ ANCHORS = ("hf-eager", "hf-static", "hf-mtp")  # mirrors benchmarks.anchors.ANCH
                    "start. Default: a fresh, cold one for this run.")
 @click.option("--cell-timeout", "cell_timeout", type=float, default=1800.0, show_default=True,
               help="Seconds before a cell is stopped and recorded as a timeout.")
+@click.option("--hisparse", is_flag=True, help="Every engine cell decodes with HiSparse sparse attention.")
+@click.option("--top-k-tokens", "top_k_tokens", type=int, default=None, metavar="N",
+              help="With --hisparse: past tokens each query attends to.  [default: 64]")
+@click.option("--hot-rows", "hot_rows", type=int, default=None, metavar="N",
+              help="With --hisparse: rows of each layer's hot buffer, per request.  [default: 128]")
 def bench(model, graph_modes, ks, batch_sizes, anchors, out, max_tokens, prompts_file, max_seq_len, buckets,
-          repeats, threads, cache_dir, cell_timeout):
+          repeats, threads, cache_dir, cell_timeout, hisparse, top_k_tokens, hot_rows):
     """Measure tokens/s, step latency, acceptance per draft position, warm-up time and peak memory for
     every graph mode x k x batch size, beside transformers on the same model and prompts (greedy).
 
@@ -255,6 +255,7 @@ def bench(model, graph_modes, ks, batch_sizes, anchors, out, max_tokens, prompts
       compiled-spec bench                                    # eager and full, k=3, batch 1, the anchors
       compiled-spec bench --graph-modes eager,compile,piecewise,full -k 0,1,2,3 --batch-sizes 1,4,8
       compiled-spec bench --model ./tiny --graph-modes eager -k 2 --batch-sizes 1,2 --anchors none
+      compiled-spec bench --hisparse --top-k-tokens 32 --hot-rows 64 --graph-modes eager,full
     """
     from benchmarks.sweep import SweepOptions, run_sweep
     from benchmarks.workload import read_prompts
@@ -265,6 +266,14 @@ def bench(model, graph_modes, ks, batch_sizes, anchors, out, max_tokens, prompts
         raise click.BadParameter("batch sizes must be positive", param_hint="'--batch-sizes'")
     if model is None:
         from compiled_spec.api import DEFAULT_MODEL as model
+    from compiled_spec import CompiledSpecError
+
+    try:
+        sparse = hisparse_config(hisparse, top_k_tokens, hot_rows)
+        if sparse is not None:
+            sparse.validate(max(ks))  # before any cell runs
+    except CompiledSpecError as error:
+        raise InputError(str(error)) from None
     try:
         prompts = read_prompts(prompts_file) if prompts_file else None
     except ValueError as error:
@@ -274,6 +283,7 @@ def bench(model, graph_modes, ks, batch_sizes, anchors, out, max_tokens, prompts
         anchors=anchors, out=Path(out), max_tokens=max_tokens, prompts=prompts, max_seq_len=max_seq_len,
         buckets=buckets, repeats=repeats, threads=threads, cache_dir=Path(cache_dir) if cache_dir else None,
         cell_timeout_s=cell_timeout, command=spelled_out(click.get_current_context()),
+        hisparse=dataclasses.asdict(sparse) if sparse else None,
     )
     try:
         results = run_sweep(options)
@@ -283,6 +293,20 @@ def bench(model, graph_modes, ks, batch_sizes, anchors, out, max_tokens, prompts
     click.echo(f"wrote {Path(out) / 'results.json'}, {Path(out) / 'results.md'} and the plots")
     if any(record["status"] in ("error", "timeout") for record in results["records"]):
         click.get_current_context().exit(1)
+
+
+def hisparse_config(hisparse: bool, top_k_tokens: int | None, hot_rows: int | None):
+    """The HiSparseConfig the --hisparse options ask for (None without --hisparse); LLM validates it."""
+    if not hisparse:
+        if top_k_tokens is not None or hot_rows is not None:
+            raise click.UsageError("--top-k-tokens and --hot-rows need --hisparse")
+        return None
+    from compiled_spec import HiSparseConfig
+
+    defaults = HiSparseConfig()
+    config = HiSparseConfig(top_k_tokens=defaults.top_k_tokens if top_k_tokens is None else top_k_tokens,
+                            hot_rows=defaults.hot_rows if hot_rows is None else hot_rows)
+    return config
 
 
 def spelled_out(ctx: click.Context) -> list[str]:

@@ -23,7 +23,7 @@ def unique_graphs() -> int:
 
 
 def measure_engine(spec: dict) -> dict:
-    from compiled_spec import LLM, SamplingParams
+    from compiled_spec import LLM, HiSparseConfig, SamplingParams
 
     mode, k, batch = spec["graph_mode"], spec["num_speculative_tokens"], spec["batch_size"]
     prompt_ids, max_seq_len = spec["prompt_ids"], spec["max_seq_len"]
@@ -38,6 +38,7 @@ def measure_engine(spec: dict) -> dict:
         batch_buckets=(batch,) if minimal else None,
         prefill_buckets=(max_seq_len,) if minimal else None,
         show_progress=False,
+        hisparse=HiSparseConfig(**spec["hisparse"]) if spec.get("hisparse") else None,
     )
     setup_s = time.perf_counter() - start
     engine = llm.engine
@@ -87,4 +88,7 @@ def measure_engine(spec: dict) -> dict:
         "batch_buckets": list(engine.batch_buckets),
         "prefill_buckets": list(engine.prefill_buckets),
         "output_digests": [digest(output.token_ids) for output in outputs],
+        # What the engine really runs with (None: dense attention).
+        "hisparse_top_k_tokens": engine.constants.hisparse.top_k_tokens if engine.constants.hisparse else None,
+        "hot_buffer_rows": engine.state.hot_keys[0].shape[1] - 1 if engine.state.hot_keys else None,
     }

@@ -27,6 +27,7 @@ def main() -> None:
     parser.add_argument("--prompt", default="ROMEO:\n")
     parser.add_argument("--rows", type=int, default=15)
     parser.add_argument("--trace", default=None, help="also write a Chrome trace here")
+    parser.add_argument("--shapes", action="store_true", help="group ops by input shapes")
     args = parser.parse_args()
 
     torch._inductor.config.cpp.enable_kernel_profile = True
@@ -37,12 +38,12 @@ def main() -> None:
     prompt = args.prompt if llm.tokenizer is not None else [1, 2, 3, 4]
     llm.generate(prompt, params)  # untimed: first-call costs
     llm.engine.step_seconds.clear()
-    with profile(activities=[ProfilerActivity.CPU]) as profiler:
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=args.shapes) as profiler:
         llm.generate(prompt, params)
     steps = llm.engine.step_seconds
     print(f"{args.graph_mode}, k={args.num_speculative_tokens}, batch 1: {len(steps)} steps, "
           f"mean {1000 * statistics.fmean(steps):.2f} ms (profiler overhead included), warm-up {llm.engine.warmup_seconds:.0f} s")
-    print(profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.rows, max_name_column_width=60))
+    print(profiler.key_averages(group_by_input_shape=args.shapes).table(sort_by="self_cpu_time_total", row_limit=args.rows, max_name_column_width=60))
     if args.trace:
         profiler.export_chrome_trace(args.trace)
 

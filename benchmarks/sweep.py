@@ -43,6 +43,7 @@ class SweepOptions:
     cache_dir: Path | None = None  # TORCHINDUCTOR_CACHE_DIR of every cell; None: a fresh one for this sweep
     cell_timeout_s: float = 1800.0
     plots: bool = True
+    hisparse: dict | None = None  # HiSparseConfig fields for every engine cell; None: dense attention
     command: list[str] = field(default_factory=list)
 
 
@@ -58,7 +59,7 @@ def plan(options: SweepOptions, prompt_ids: list[list[int]], max_seq_len: int) -
             for batch in options.batch_sizes:
                 cells.append(dict(kind="engine", name=f"{mode} k={k} b={batch}", graph_mode=mode,
                                   num_speculative_tokens=k, batch_size=batch, max_seq_len=max_seq_len,
-                                  buckets=options.buckets, **common))
+                                  buckets=options.buckets, hisparse=options.hisparse, **common))
     return cells
 
 
@@ -147,6 +148,7 @@ def run_sweep(options: SweepOptions) -> dict:
             "buckets": options.buckets,
             "repeats": options.repeats,
             "sampling": "greedy, ignore_eos (every request generates max_tokens)",
+            "hisparse": options.hisparse,
             "inductor_cache": {"dir": None if owned_cache else str(cache_dir), "empty_at_start": cache_was_empty},
         },
         "records": [],

@@ -58,6 +58,26 @@ def test_eager_cells_with_the_same_k_accept_the_same(sweep):
     assert sum(one["accepted_per_position"]) > 0
 
 
+def test_bench_hisparse_reaches_every_engine_cell(tiny_checkpoint, tmp_path):
+    args = ["bench", "--model", str(tiny_checkpoint("predictive").path), "--graph-modes", "eager", "-k", "1",
+            "--anchors", "none", "--max-tokens", "6", "--threads", "1", "--out", str(tmp_path),
+            "--hisparse", "--top-k-tokens", "4", "--hot-rows", "8"]
+    result = CliRunner().invoke(cli.main, args, prog_name="compiled-spec")
+    assert result.exit_code == 0, result.output
+    (record,) = records(tmp_path, kind="engine")
+    assert record["status"] == "ok" and record["generated_tokens"] == 8 * 6
+    assert (record["hisparse_top_k_tokens"], record["hot_buffer_rows"]) == (4, 8)
+    assert "Every engine cell decodes with HiSparse: top 4 tokens per query through 8 hot rows" in result.output
+
+
+def test_bench_rejects_a_hot_buffer_smaller_than_top_k(tmp_path):
+    args = ["bench", "--hisparse", "--top-k-tokens", "16", "--hot-rows", "8", "--out", str(tmp_path)]
+    result = CliRunner().invoke(cli.main, args, prog_name="compiled-spec")
+    assert result.exit_code == 2
+    assert "hot_rows=8 is smaller than top_k_tokens=16" in result.stderr
+    assert not (tmp_path / "results.json").exists()
+
+
 def test_bench_rejects_an_unknown_graph_mode():
     result = CliRunner().invoke(cli.main, ["bench", "--graph-modes", "eager,fast"], prog_name="compiled-spec")
     assert result.exit_code == 2
