@@ -88,7 +88,7 @@ def markdown(results: dict, plot_names: list[str] = ()) -> str:
         "Acceptance: fraction of steps whose draft at that position was accepted. "
         "Warm-up: compiling every bucket (0 in eager). Peak RSS: the cell's own process. "
         "'= eager': accepted counts per position equal the eager cell's (same k, batch), or by how many "
-        "they differ (float near-ties in a draft move a step boundary); "
+        "they differ; "
         "'= HF': outputs identical to transformers' greedy ones.",
         "",
         "| " + " | ".join(["mode", "k", "batch", "tokens/s", "step p50 / p90 ms", "acceptance by position",

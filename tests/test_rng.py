@@ -35,6 +35,24 @@ def test_uniforms_are_uniform():
     assert abs(u.mean().item() - 0.5) < 0.005
 
 
+def test_unit_floats_stay_strictly_inside_zero_and_one():
+    extremes = rng.to_unit(torch.tensor([0, 1 << 9, rng.MASK32 - (1 << 9), rng.MASK32]))
+    assert extremes.dtype == torch.float32
+    assert 0 < extremes.min().item() and extremes.max().item() < 1
+    assert extremes.unique().numel() == 4
+
+
+def test_one_hot_distributions_always_sample_their_token():
+    """Greedy rows sample one-hot distributions by the race; a uniform of exactly 1 anywhere in a row
+    used to turn a zero-probability lane into NaN, which argmax picked (about once per 4096 draws)."""
+    vocab, hot = 4096, 17
+    probs = torch.zeros(vocab)
+    probs[hot] = 1.0
+    for chunk in range(10):
+        keys = rng.stream_key(torch.arange(2000) + 2000 * chunk, torch.full((2000,), 5), rng.TARGET)
+        assert (race_sample(probs.expand(2000, vocab), keys) == hot).all()
+
+
 def test_independent_across_positions():
     positions = torch.arange(20_001)
     u = uniforms_at(torch.full_like(positions, 1234), positions)[:, 0]

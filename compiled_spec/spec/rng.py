@@ -39,11 +39,18 @@ def stream_key(seeds: torch.Tensor, positions: torch.Tensor, purpose: int | torc
     return mix32(seed_key ^ mix32((positions * 16 + purpose) & MASK32))
 
 
+def to_unit(bits: torch.Tensor) -> torch.Tensor:
+    """32-bit values -> float32 strictly inside (0, 1).
+
+    23 bits, not 24: (2**24 - 1) + 0.5 rounds up to 2**24 in float32, and a uniform of exactly 1 makes
+    the exponential race divide 0 by -log(1) = 0 (a NaN that argmax picks)."""
+    return ((bits >> 9).float() + 0.5) / float(1 << 23)
+
+
 def uniforms(key: torch.Tensor, count: int) -> torch.Tensor:
     """`count` uniforms in (0, 1) per key: shape key.shape + (count,), float32."""
     lanes = torch.arange(count, device=key.device, dtype=torch.int64)
-    bits = mix32(key[..., None] ^ mix32((lanes + 0x9E3779B9) & MASK32))
-    return ((bits >> 8).float() + 0.5) / float(1 << 24)
+    return to_unit(mix32(key[..., None] ^ mix32((lanes + 0x9E3779B9) & MASK32)))
 
 
 def uniform(key: torch.Tensor) -> torch.Tensor:
