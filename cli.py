@@ -314,9 +314,13 @@ def spelled_out(ctx: click.Context) -> list[str]:
     words = ctx.command_path.split()
     for param in ctx.command.params:
         value = ctx.params.get(param.name)
-        if isinstance(param, click.Option) and value is not None and not param.hidden and param.name != "help":
-            text = ",".join(map(str, value)) if isinstance(value, list) else str(value)
-            words += [max(param.opts, key=len), text or "none"]
+        if not isinstance(param, click.Option) or value is None or param.hidden or param.name == "help":
+            continue
+        if param.is_flag:
+            words += [max(param.opts, key=len)] if value else []
+            continue
+        text = ",".join(map(str, value)) if isinstance(value, list) else str(value)
+        words += [max(param.opts, key=len), text or "none"]
     return words
 
 

@@ -1,6 +1,9 @@
 """Where a decode step's time goes: torch.profiler over the steps of one warmed-up request.
 
     python -m benchmarks.profile_step [--model DIR] [--graph-mode full] [-k 3] [--max-tokens 96] [--rows 15]
+                                      [--max-seq-len 160] [--shapes]
+
+The defaults match a `compiled-spec bench` cell at batch 1 (max_seq_len 160, one batch and one prefill bucket).
 
 Inductor's C++ kernels are recorded by name (cpp.enable_kernel_profile), so the table shows fused kernels,
 GEMMs and library calls side by side. Prints the top ops by self CPU time and the mean step latency.
@@ -26,12 +29,13 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--prompt", default="ROMEO:\n")
     parser.add_argument("--rows", type=int, default=15)
+    parser.add_argument("--max-seq-len", type=int, default=160)
     parser.add_argument("--trace", default=None, help="also write a Chrome trace here")
     parser.add_argument("--shapes", action="store_true", help="group ops by input shapes")
     args = parser.parse_args()
 
     torch._inductor.config.cpp.enable_kernel_profile = True
-    max_seq_len = 256
+    max_seq_len = args.max_seq_len
     llm = LLM(args.model, num_speculative_tokens=args.num_speculative_tokens, graph_mode=args.graph_mode,
               max_batch_size=1, max_seq_len=max_seq_len, batch_buckets=(1,), prefill_buckets=(max_seq_len,))
     params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)

@@ -28,6 +28,7 @@ def test_bench_writes_json_markdown_and_plots(sweep):
     assert result.exit_code == 0, result.output
     results = json.loads((out / "results.json").read_text())
     assert results["command"].startswith("compiled-spec bench --model ")
+    assert "--hisparse" not in results["command"]  # a flag that is off is left out, so the command reruns as is
     assert {"cpu", "torch", "transformers", "python", "load_average_at_start"} <= set(results["environment"])
     assert [r["name"] for r in results["records"]] == ["hf-mtp b=1", "hf-mtp b=2", "eager k=2 b=1", "eager k=2 b=2"]
     for record in records(out, kind="engine"):
@@ -68,6 +69,8 @@ def test_bench_hisparse_reaches_every_engine_cell(tiny_checkpoint, tmp_path):
     assert record["status"] == "ok" and record["generated_tokens"] == 8 * 6
     assert (record["hisparse_top_k_tokens"], record["hot_buffer_rows"]) == (4, 8)
     assert "Every engine cell decodes with HiSparse: top 4 tokens per query through 8 hot rows" in result.output
+    command = json.loads((tmp_path / "results.json").read_text())["command"]
+    assert " --hisparse --top-k-tokens 4 --hot-rows 8" in command
 
 
 def test_bench_rejects_a_hot_buffer_smaller_than_top_k(tmp_path):
