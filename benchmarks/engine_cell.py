@@ -91,4 +91,12 @@ def measure_engine(spec: dict) -> dict:
         # What the engine really runs with (None: dense attention).
         "hisparse_top_k_tokens": engine.constants.hisparse.top_k_tokens if engine.constants.hisparse else None,
         "hot_buffer_rows": engine.state.hot_keys[0].shape[1] - 1 if engine.state.hot_keys else None,
+        "hisparse_scorer": scorer_in_use(llm.model) if engine.constants.hisparse else None,
     }
+
+
+def scorer_in_use(model) -> str:
+    """'indexer' when the first layer scores with trained lightning-indexer weights, else 'keys'."""
+    from compiled_spec.hisparse.indexer import LightningIndexer
+
+    return "indexer" if isinstance(model.layers[0].self_attn.indexer, LightningIndexer) else "keys"

@@ -60,9 +60,11 @@ def anchor_row(record: dict) -> str:
                   f"{number(record['peak_rss_mib'], 0)} | {'; '.join(notes)} |"
 
 
-def hisparse_text(hisparse: dict) -> str:
+def hisparse_text(hisparse: dict, records: list[dict]) -> str:
+    used = sorted({r["hisparse_scorer"] for r in records if r.get("hisparse_scorer")})
+    scorer = hisparse["scorer"] + (f" ({', '.join(used)})" if hisparse["scorer"] == "auto" and used else "")
     return (f" Every engine cell decodes with HiSparse: top {hisparse['top_k_tokens']} tokens per query through "
-            f"{hisparse['hot_rows']} hot rows per layer, {hisparse['scorer']} scorer (the anchors stay dense).")
+            f"{hisparse['hot_rows']} hot rows per layer, {scorer} scorer (the anchors stay dense).")
 
 
 def markdown(results: dict, plot_names: list[str] = ()) -> str:
@@ -81,7 +83,7 @@ def markdown(results: dict, plot_names: list[str] = ()) -> str:
         f"{settings['prompts']} prompts ({min(settings['prompt_lengths'])}–{max(settings['prompt_lengths'])} tokens), "
         f"{settings['max_tokens']} new tokens each, {settings['sampling']}; max_seq_len {settings['max_seq_len']}, "
         f"{settings['buckets']} buckets, best of {settings['repeats']}."
-        + (hisparse_text(settings["hisparse"]) if settings.get("hisparse") else ""),
+        + (hisparse_text(settings["hisparse"], engine_records(results)) if settings.get("hisparse") else ""),
         "",
         "tokens/s: generated tokens / wall time of generate() for all prompts, prefill included, after warm-up. "
         "Step latency: one decode step (all lanes) including the copy of its results to the host. "

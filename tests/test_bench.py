@@ -67,7 +67,7 @@ def test_bench_hisparse_reaches_every_engine_cell(tiny_checkpoint, tmp_path):
     assert result.exit_code == 0, result.output
     (record,) = records(tmp_path, kind="engine")
     assert record["status"] == "ok" and record["generated_tokens"] == 8 * 6
-    assert (record["hisparse_top_k_tokens"], record["hot_buffer_rows"]) == (4, 8)
+    assert (record["hisparse_top_k_tokens"], record["hot_buffer_rows"], record["hisparse_scorer"]) == (4, 8, "keys")
     assert "Every engine cell decodes with HiSparse: top 4 tokens per query through 8 hot rows" in result.output
     command = json.loads((tmp_path / "results.json").read_text())["command"]
     assert " --hisparse --top-k-tokens 4 --hot-rows 8" in command

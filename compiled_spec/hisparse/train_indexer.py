@@ -1,6 +1,8 @@
 """Trains lightning-indexer weights for a checkpoint by KL to its own dense attention.
 
-    python -m compiled_spec.hisparse.train_indexer [--model DIR] [--heads 4] [--dim 32] [--steps 300]
+    python -m compiled_spec.hisparse.train_indexer [--model DIR] [--heads 4] [--dim 32] [--steps 300] [--init keys]
+
+The embedded model's indexer.safetensors came from `--init keys --steps 400`.
 
 DeepSeek-V3.2's indexer warm-up, on CPU: the model is frozen; for every attention layer (main layers
 and MTP modules) the indexer's distribution softmax_s I(t, s) over s <= t is fitted to the layer's
@@ -20,7 +22,6 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import save_file
 
@@ -104,6 +105,19 @@ def capture(llm: LLM, tokens: torch.Tensor) -> dict[str, dict[str, torch.Tensor]
     return {prefix: {name: torch.cat(values) for name, values in entry.items()} for prefix, entry in captured.items()}
 
 
+@torch.no_grad()
+def indexer_like_key_scorer(attention) -> LightningIndexer:
+    """An indexer whose q/k projections are the layer's own query heads and KV-head-mean key, so training
+    starts where the training-free scorer is (up to the head weights, which start small and random)."""
+    if attention.q_norm is not None:
+        raise ValueError("--init keys needs a layer without q/k norm")
+    hidden = attention.q_proj.in_features
+    indexer = LightningIndexer(hidden, attention.num_heads, attention.head_dim)
+    indexer.wq.weight.copy_(attention.q_proj.weight)
+    indexer.wk.weight.copy_(attention.k_proj.weight.view(attention.num_kv_heads, attention.head_dim, hidden).mean(0))
+    return indexer
+
+
 def indexer_scores(indexer: LightningIndexer, x, cos, sin) -> torch.Tensor:
     batch, length, _ = x.shape
     q = indexer.wq(x).view(batch, length, indexer.num_heads, indexer.head_dim)
@@ -149,6 +163,9 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--init", choices=("random", "keys"), default="random",
+                        help="keys: start from the key scorer (the layer's query heads and KV-mean key; "
+                             "--heads/--dim are then the layer's own)")
     parser.add_argument("--out", default=None, help="default: MODEL/indexer.safetensors")
     args = parser.parse_args()
     torch.manual_seed(args.seed)
@@ -162,7 +179,10 @@ def main() -> None:
     weights, report = {}, {}
     for prefix, data in train.items():
         start = time.perf_counter()
-        indexer = LightningIndexer(llm.model_config.hidden_size, args.heads, args.dim)
+        if args.init == "keys":
+            indexer = indexer_like_key_scorer(modules[prefix])
+        else:
+            indexer = LightningIndexer(llm.model_config.hidden_size, args.heads, args.dim)
         optimizer = torch.optim.AdamW(indexer.parameters(), lr=args.lr, weight_decay=0.0)
         for step in range(args.steps):
             batch = torch.randint(0, data["x"].shape[0], (args.batch,))
@@ -186,7 +206,7 @@ def main() -> None:
             weights[f"{prefixes[prefix]}.self_attn.indexer.{name}"] = tensor.detach().contiguous()
     out = Path(args.out) if args.out else Path(args.model) / "indexer.safetensors"
     save_file(weights, str(out), metadata={"format": "pt", "trained_by": "compiled_spec.hisparse.train_indexer",
-                                           "held_out": json.dumps(report)})
+                                           "arguments": json.dumps(vars(args)), "held_out": json.dumps(report)})
     print(f"wrote {out}")
 
 
