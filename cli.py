@@ -304,9 +304,8 @@ def hisparse_config(hisparse: bool, top_k_tokens: int | None, hot_rows: int | No
     from compiled_spec import HiSparseConfig
 
     defaults = HiSparseConfig()
-    config = HiSparseConfig(top_k_tokens=defaults.top_k_tokens if top_k_tokens is None else top_k_tokens,
-                            hot_rows=defaults.hot_rows if hot_rows is None else hot_rows)
-    return config
+    return HiSparseConfig(top_k_tokens=defaults.top_k_tokens if top_k_tokens is None else top_k_tokens,
+                          hot_rows=defaults.hot_rows if hot_rows is None else hot_rows)
 
 
 def spelled_out(ctx: click.Context) -> list[str]:
