@@ -53,6 +53,22 @@ class CompiledSpecCommand(click.Group):
         sys.exit(code or 0)
 
 
+def hisparse_options(command):
+    """--top-k-tokens, --hot-rows and --cold-dtype, shared by generate and bench."""
+    options = [
+        click.option("--top-k-tokens", "top_k_tokens", type=int, default=None, metavar="N",
+                     help="With --hisparse: past tokens each query attends to.  [default: 64]"),
+        click.option("--hot-rows", "hot_rows", type=int, default=None, metavar="N",
+                     help="With --hisparse: rows of each layer's hot buffer, per request.  [default: 128]"),
+        click.option("--cold-dtype", "cold_dtype", type=click.Choice(("float32", "bfloat16", "float16")),
+                     default=None, help="With --hisparse: dtype of the cold pool (the full KV history); bfloat16 "
+                                        "halves its memory, rows are rounded when backed up.  [default: the model's]"),
+    ]
+    for option in reversed(options):
+        command = option(command)
+    return command
+
+
 @click.group(cls=CompiledSpecCommand, context_settings=dict(help_option_names=["-h", "--help"], max_content_width=100))
 @click.version_option(package_name="compiled-spec")
 def main():
@@ -109,12 +125,9 @@ def main():
 @click.option("--hisparse", is_flag=True,
               help="Sparse attention for decode steps: each query reads its top tokens (by an indexer score) "
                    "through a small LRU hot buffer backed by the full KV history.")
-@click.option("--top-k-tokens", "top_k_tokens", type=int, default=None, metavar="N",
-              help="With --hisparse: past tokens each query attends to.  [default: 64]")
-@click.option("--hot-rows", "hot_rows", type=int, default=None, metavar="N",
-              help="With --hisparse: rows of each layer's hot buffer, per request.  [default: 128]")
+@hisparse_options
 def generate(prompts, prompt_ids, model, num_speculative_tokens, temperature, top_p, top_k, max_tokens, seed,
-             graph_mode, max_batch_size, max_seq_len, stop, ignore_eos, as_json, hisparse, top_k_tokens, hot_rows):
+             graph_mode, max_batch_size, max_seq_len, stop, ignore_eos, as_json, hisparse, top_k_tokens, hot_rows, cold_dtype):
     """Generate text for each PROMPT with MTP speculative decoding.
 
     Each step the MTP module(s) draft k tokens; the main model verifies them in one pass and keeps
@@ -144,7 +157,7 @@ def generate(prompts, prompt_ids, model, num_speculative_tokens, temperature, to
     from compiled_spec import cli_format
 
     try:
-        sparse = hisparse_config(hisparse, top_k_tokens, hot_rows)
+        sparse = hisparse_config(hisparse, top_k_tokens, hot_rows, cold_dtype)
         params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens,
                                 stop=[unescape(text) for text in stop] or None, ignore_eos=ignore_eos)
         llm = LLM(model, num_speculative_tokens=num_speculative_tokens, graph_mode=graph_mode,
@@ -238,12 +251,9 @@ ANCHORS = ("hf-eager", "hf-static", "hf-mtp")  # mirrors benchmarks.anchors.ANCH
 @click.option("--cell-timeout", "cell_timeout", type=float, default=1800.0, show_default=True,
               help="Seconds before a cell is stopped and recorded as a timeout.")
 @click.option("--hisparse", is_flag=True, help="Every engine cell decodes with HiSparse sparse attention.")
-@click.option("--top-k-tokens", "top_k_tokens", type=int, default=None, metavar="N",
-              help="With --hisparse: past tokens each query attends to.  [default: 64]")
-@click.option("--hot-rows", "hot_rows", type=int, default=None, metavar="N",
-              help="With --hisparse: rows of each layer's hot buffer, per request.  [default: 128]")
+@hisparse_options
 def bench(model, graph_modes, ks, batch_sizes, anchors, out, max_tokens, prompts_file, max_seq_len, buckets,
-          repeats, threads, cache_dir, cell_timeout, hisparse, top_k_tokens, hot_rows):
+          repeats, threads, cache_dir, cell_timeout, hisparse, top_k_tokens, hot_rows, cold_dtype):
     """Measure tokens/s, step latency, acceptance per draft position, warm-up time and peak memory for
     every graph mode x k x batch size, beside transformers on the same model and prompts (greedy).
 
@@ -269,7 +279,7 @@ def bench(model, graph_modes, ks, batch_sizes, anchors, out, max_tokens, prompts
     from compiled_spec import CompiledSpecError
 
     try:
-        sparse = hisparse_config(hisparse, top_k_tokens, hot_rows)
+        sparse = hisparse_config(hisparse, top_k_tokens, hot_rows, cold_dtype)
         if sparse is not None:
             sparse.validate(max(ks))  # before any cell runs
     except CompiledSpecError as error:
@@ -295,17 +305,17 @@ def bench(model, graph_modes, ks, batch_sizes, anchors, out, max_tokens, prompts
         click.get_current_context().exit(1)
 
 
-def hisparse_config(hisparse: bool, top_k_tokens: int | None, hot_rows: int | None):
+def hisparse_config(hisparse: bool, top_k_tokens: int | None, hot_rows: int | None, cold_dtype: str | None):
     """The HiSparseConfig the --hisparse options ask for (None without --hisparse); LLM validates it."""
     if not hisparse:
-        if top_k_tokens is not None or hot_rows is not None:
-            raise click.UsageError("--top-k-tokens and --hot-rows need --hisparse")
+        if top_k_tokens is not None or hot_rows is not None or cold_dtype is not None:
+            raise click.UsageError("--top-k-tokens, --hot-rows and --cold-dtype need --hisparse")
         return None
     from compiled_spec import HiSparseConfig
 
     defaults = HiSparseConfig()
     return HiSparseConfig(top_k_tokens=defaults.top_k_tokens if top_k_tokens is None else top_k_tokens,
-                          hot_rows=defaults.hot_rows if hot_rows is None else hot_rows)
+                          hot_rows=defaults.hot_rows if hot_rows is None else hot_rows, cold_dtype=cold_dtype)
 
 
 def spelled_out(ctx: click.Context) -> list[str]:

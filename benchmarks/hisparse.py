@@ -2,11 +2,11 @@
 
     python -m benchmarks.hisparse [--model DIR] [--graph-mode eager] [--quality-graph-mode eager] [-k 2]
                                   [--contexts 512,768,1024] [--top-ks 16,32,64,128,256] [--new-tokens 32]
-                                  [--out hisparse_out]
+                                  [--cold-dtype bfloat16] [--out hisparse_out]
 
 Latency: one request at a time, the prompt filling the context up to `new_tokens` short of it
 (max_seq_len = context), mean wall time of a decode step, dense vs HiSparse(top_k_tokens=--top-k,
-hot_rows=--hot-rows). Quality: at the first context, several prompts decoded greedily with each top-k;
+hot_rows=--hot-rows), and the memory of the KV caches (the cold pool, with HiSparse). Quality: at the first context, several prompts decoded greedily with each top-k;
 acceptance is the mean accepted drafts per step, agreement the fraction of generated tokens equal to
 dense attention's at the same index, and prefix the mean number of tokens before the first difference.
 
@@ -57,6 +57,12 @@ def decode(llm: LLM, prompts: list[list[int]], new_tokens: int):
             statistics.fmean(llm.engine.step_seconds))
 
 
+def kv_cache_mib(llm: LLM) -> float:
+    state = llm.engine.state
+    return sum(t.numel() * t.element_size() for t in state.main_keys + state.main_values + state.draft_keys
+               + state.draft_values) / 2**20
+
+
 def agreement(tokens, reference) -> tuple[float, float]:
     same = sum(a == b for x, y in zip(tokens, reference) for a, b in zip(x, y)) / sum(len(y) for y in reference)
     prefixes = []
@@ -78,6 +84,7 @@ def main() -> None:
     parser.add_argument("--top-k", type=int, default=64, help="top_k_tokens of the latency runs")
     parser.add_argument("--hot-rows", type=int, default=128, help="hot_rows of the latency runs")
     parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--cold-dtype", default=None, help="cold pool dtype of every HiSparse run (default: the model's)")
     parser.add_argument("--prompts", type=int, default=4, help="prompts of the quality runs")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (0: torch's default)")
     parser.add_argument("--out", default="hisparse_out")
@@ -97,12 +104,13 @@ def main() -> None:
     latency = []
     for context, length in zip(contexts, prompt_len):
         row = {"context": context, "prompt_tokens": length}
-        for name, config in (("dense", None), ("hisparse", HiSparseConfig(args.top_k, args.hot_rows))):
+        for name, config in (("dense", None), ("hisparse", HiSparseConfig(args.top_k, args.hot_rows, cold_dtype=args.cold_dtype))):
             start = time.perf_counter()
             llm = engine(args.model, context, k, mode, config)
             warm = time.perf_counter() - start
             _, accepted, step = decode(llm, [corpus[:length]] * 2, new)
-            row[name] = {"step_ms": 1000 * step, "accepted_per_step": accepted, "warm_up_s": warm}
+            row[name] = {"step_ms": 1000 * step, "accepted_per_step": accepted, "warm_up_s": warm,
+                         "kv_cache_mib": kv_cache_mib(llm)}
             print(f"context {context}: {name} {1000 * step:.1f} ms/step, {accepted:.2f} accepted/step", flush=True)
         latency.append(row)
 
@@ -111,7 +119,7 @@ def main() -> None:
     reference, dense_accepted, _ = decode(engine(args.model, context, k, quality_mode, None), prompts, new)
     quality = [{"top_k": "dense", "accepted_per_step": dense_accepted, "agreement": 1.0, "prefix": float(new)}]
     for top_k in top_ks:
-        config = HiSparseConfig(top_k, max(2 * top_k, top_k + width))
+        config = HiSparseConfig(top_k, max(2 * top_k, top_k + width), cold_dtype=args.cold_dtype)
         tokens, accepted, _ = decode(engine(args.model, context, k, quality_mode, config), prompts, new)
         same, prefix = agreement(tokens, reference)
         quality.append({"top_k": top_k, "hot_rows": config.hot_rows, "accepted_per_step": accepted,
@@ -121,7 +129,8 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     setup = {"model": str(probe.path), "graph_mode": mode, "quality_graph_mode": quality_mode, "k": k, "new_tokens": new, "threads": torch.get_num_threads(),
-             "latency_top_k": args.top_k, "latency_hot_rows": args.hot_rows, "quality_context": context}
+             "latency_top_k": args.top_k, "latency_hot_rows": args.hot_rows, "quality_context": context,
+             "cold_dtype": args.cold_dtype or "the model's"}
     (out / "hisparse.json").write_text(json.dumps({"setup": setup, "latency": latency, "quality": quality}, indent=2))
     table = report(setup, latency, quality)
     (out / "hisparse.md").write_text(table)
@@ -131,12 +140,16 @@ def main() -> None:
 
 def report(setup, latency, quality) -> str:
     lines = [f"HiSparse vs dense: {setup['model']}, {setup['graph_mode']}, k={setup['k']}, batch 1, "
-             f"{setup['new_tokens']} new tokens, {setup['threads']} threads", "",
+             f"{setup['new_tokens']} new tokens, {setup['threads']} threads, HiSparse cold pool in "
+             f"{setup.get('cold_dtype', 'the model dtype')}", "",
              f"| context | dense ms/step | HiSparse ms/step (top-k {setup['latency_top_k']}, "
-             f"hot {setup['latency_hot_rows']}) | speed-up |", "|---|---|---|---|"]
+             f"hot {setup['latency_hot_rows']}) | speed-up | KV cache MiB, dense / HiSparse cold pool |",
+             "|---|---|---|---|---|"]
     for row in latency:
         dense, sparse = row["dense"]["step_ms"], row["hisparse"]["step_ms"]
-        lines.append(f"| {row['context']} | {dense:.1f} | {sparse:.1f} | {dense / sparse:.2f}x |")
+        memory = (f"{row['dense']['kv_cache_mib']:.1f} / {row['hisparse']['kv_cache_mib']:.1f}"
+                  if "kv_cache_mib" in row["dense"] else "-")
+        lines.append(f"| {row['context']} | {dense:.1f} | {sparse:.1f} | {dense / sparse:.2f}x | {memory} |")
     lines += ["", f"Quality at context {setup['quality_context']} ({setup.get('quality_graph_mode', setup['graph_mode'])}):", "",
               "| top-k | hot rows | accepted/step | agreement with dense | first difference at |", "|---|---|---|---|---|"]
     for row in quality:

@@ -64,7 +64,9 @@ def hisparse_text(hisparse: dict, records: list[dict]) -> str:
     used = sorted({r["hisparse_scorer"] for r in records if r.get("hisparse_scorer")})
     scorer = hisparse["scorer"] + (f" ({', '.join(used)})" if hisparse["scorer"] == "auto" and used else "")
     return (f" Every engine cell decodes with HiSparse: top {hisparse['top_k_tokens']} tokens per query through "
-            f"{hisparse['hot_rows']} hot rows per layer, {scorer} scorer (the anchors stay dense).")
+            f"{hisparse['hot_rows']} hot rows per layer, {scorer} scorer"
+            + (f", a {hisparse['cold_dtype']} cold pool" if hisparse.get("cold_dtype") else "")
+            + " (the anchors stay dense).")
 
 
 def markdown(results: dict, plot_names: list[str] = ()) -> str:

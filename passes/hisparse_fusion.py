@@ -81,11 +81,14 @@ def _replace_unweighted(config, q, new_keys, new_values, index_q, index_keys, co
     )
 
 
-def example_inputs(dtype=torch.float32, weighted=True, batch=2, length=3, heads=4, kv_heads=2, dim=8,
-                   index_heads=2, index_dim=8, capacity=16, hot_rows=6):
+def example_inputs(dtype=torch.float32, weighted=True, cold_dtype=None, batch=2, length=3, heads=4, kv_heads=2,
+                   dim=8, index_heads=2, index_dim=8, capacity=16, hot_rows=6):
     """Inputs for tracing the pattern (values do not matter, only dtypes and layouts)."""
-    def floats(*shape):
+    def floats(*shape, dtype=dtype):
         return torch.randn(*shape, dtype=dtype)
+
+    def cold(*shape):
+        return floats(*shape, dtype=cold_dtype or dtype)
 
     def ints(*shape):
         return torch.zeros(*shape, dtype=torch.int64)
@@ -94,7 +97,7 @@ def example_inputs(dtype=torch.float32, weighted=True, batch=2, length=3, heads=
     return [
         floats(batch, length, heads, dim), floats(batch, length, kv_heads, dim), floats(batch, length, kv_heads, dim),
         floats(batch, length, index_heads, index_dim), *index_w,
-        floats(batch, capacity, index_dim), floats(batch, capacity, kv_heads, dim), floats(batch, capacity, kv_heads, dim),
+        floats(batch, capacity, index_dim), cold(batch, capacity, kv_heads, dim), cold(batch, capacity, kv_heads, dim),
         floats(batch, hot_rows + 1, kv_heads, dim), floats(batch, hot_rows + 1, kv_heads, dim),
         ints(batch, hot_rows + 1), ints(batch, hot_rows + 1), ints(batch, length),
         torch.ones(batch, length, capacity, dtype=torch.bool), ints(batch), torch.ones(batch, dtype=torch.bool),
@@ -121,12 +124,13 @@ def trace_like_inductor_freezing(function, args, **kwargs) -> torch.fx.GraphModu
 
 @functools.lru_cache(maxsize=None)
 def _patterns(config, dtype: torch.dtype) -> PatternMatcherPass:
-    """The replacement rules for one HiSparse config and model dtype (tracing them takes a few seconds)."""
+    """The replacement rules for one HiSparse config and model dtype (tracing them takes a few seconds); the cold
+    pool has the config's cold dtype, so a compact pool's conversions are part of the pattern."""
     patterns = PatternMatcherPass(pass_name="hisparse_fusion")
     for weighted, trace in itertools.product((True, False), (trace_like_inductor, trace_like_inductor_freezing)):
         search, replace = (_search_weighted, _replace_weighted) if weighted else (_search_unweighted, _replace_unweighted)
         search, replace = partial(search, config), partial(replace, config)
-        inputs = example_inputs(dtype, weighted)
+        inputs = example_inputs(dtype, weighted, cold_dtype=config.cold_torch_dtype(dtype))
         pattern = _allow_shared_nodes(gen_pattern(search, inputs, trace))
         register_replacement(
             search, replace, inputs, trace, patterns, extra_check=partial(_selects_top_k, config),

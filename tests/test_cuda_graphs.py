@@ -39,3 +39,35 @@ def test_cudagraph_replay_keeps_acceptance_parity(tiny_checkpoint, mode):
     accepted = {count for step in eager[1] for _, count in step}
     assert {0, 1, K} <= accepted
     assert replayed == eager
+
+
+def test_the_hisparse_triton_kernel_equals_the_cpu_op():
+    from compiled_spec.hisparse.fused import hisparse_attention
+    from test_hisparse import random_tiers
+
+    for seed in range(6):
+        args = random_tiers(seed, **(dict(rows=6, top_k=3) if seed % 3 == 0 else {}))
+        on_gpu = [a.cuda() if isinstance(a, torch.Tensor) else a for a in args]
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profiler:
+            gpu = hisparse_attention(*on_gpu)
+        cpu = hisparse_attention(*args)
+        assert any("_sparse_attention_kernel" in event.key for event in profiler.key_averages())
+        torch.testing.assert_close(gpu[0].cpu(), cpu[0], rtol=1e-5, atol=1e-5)
+        assert all(torch.equal(g.cpu(), c) for g, c in zip(gpu[1:], cpu[1:]))
+
+
+@pytest.mark.parametrize("cold_dtype", [None, "bfloat16"])
+def test_hisparse_full_mode_replay_with_a_saturated_hot_buffer_equals_eager(tiny_checkpoint, cold_dtype):
+    import dataclasses
+
+    from test_hisparse import MIRROR_ENGINE, PROMPT_LENGTHS, SATURATED, prompts_for
+
+    path = tiny_checkpoint("predictive").path
+    config = dataclasses.replace(SATURATED, cold_dtype=cold_dtype)
+    prompts = prompts_for(PROMPT_LENGTHS)
+    eager = run(LLM(path, graph_mode="eager", device="cuda", hisparse=config, **MIRROR_ENGINE), prompts)
+    with torch._inductor.config.patch({"triton.cudagraph_or_error": True}):
+        llm = LLM(path, graph_mode="full", device="cuda", hisparse=config, show_progress=False, **MIRROR_ENGINE)
+        with torch.compiler.set_stance("fail_on_recompile"):
+            replayed = run(llm, prompts)
+    assert replayed == eager

@@ -5,6 +5,8 @@ Eager tests check the pieces; compiled tests are few and small (one tiny model, 
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import shutil
 
 import pytest
@@ -56,6 +58,7 @@ def fused_op_calls(function):
     (HiSparseConfig(top_k_tokens=4, hot_rows=7), "hot_rows=7 is too small: a decode pass writes up to 4 new rows"),
     (HiSparseConfig(hot_rows=0), "hot_rows=0 is out of range"),
     (HiSparseConfig(scorer="magic"), "scorer='magic' is not known"),
+    (HiSparseConfig(cold_dtype="int8"), "cold_dtype='int8' is not supported; choose one of: float32, bfloat16"),
     (HiSparseConfig(scorer="indexer"), "scorer='indexer' needs lightning-indexer weights"),
     ({"top_k_tokens": 4}, "must be None or a HiSparseConfig"),
 ])
@@ -300,6 +303,28 @@ def test_full_mode_equals_eager_with_a_saturated_hot_buffer(mirror_workload):
     assert steps == eager_steps
 
 
+def test_a_bfloat16_cold_pool_halves_its_memory_and_full_mode_still_equals_eager(mirror_workload):
+    path, prompts, _, _ = mirror_workload
+    compact = dataclasses.replace(SATURATED, cold_dtype="bfloat16")
+    eager = LLM(path, hisparse=compact, **MIRROR_ENGINE)
+    state = eager.engine.state
+    assert {t.dtype for t in state.main_keys + state.draft_values} == {torch.bfloat16}
+    assert {t.dtype for t in state.hot_keys + state.hot_values} == {torch.float32}
+    eager_tokens, eager_steps, acceptance = run(eager, prompts)
+    assert acceptance > 0.6
+    # Every resident row is backed up: the cold pool holds it, rounded to bfloat16 (main layer and both depths).
+    for layer, cold in enumerate(state.main_keys + state.draft_keys):
+        hot, positions = state.hot_keys[layer], state.hot_positions[layer]
+        slots, rows = (positions >= 0).nonzero(as_tuple=True)
+        assert len(slots) > 0
+        assert torch.equal(cold[slots, positions[slots, rows]], hot[slots, rows].bfloat16())
+    llm = LLM(path, graph_mode="full", hisparse=compact, show_progress=False, **MIRROR_ENGINE)
+    with torch.compiler.set_stance("fail_on_recompile"):
+        (tokens, steps, _), calls = fused_op_calls(lambda: run(llm, prompts))
+    assert calls == 3 * len(steps)
+    assert tokens == eager_tokens and steps == eager_steps
+
+
 def faulty_engine(path, mode: GraphMode, passes):
     llm = LLM(path, graph_mode=mode, hisparse=without_draft_mirror(SATURATED), warm_up=False, **MIRROR_ENGINE)
     engine = llm.engine
@@ -344,12 +369,17 @@ def test_cli_generates_with_hisparse(tiny_checkpoint):
     sparse = generate_command(*common, "--hisparse", "--top-k-tokens", "64", "--hot-rows", "68")
     assert sparse.exit_code == 0, sparse.output
     assert sparse.stdout.splitlines()[0].split('"stats"')[0] == dense.stdout.splitlines()[0].split('"stats"')[0]
+    compact = generate_command(*common, "--hisparse", "--top-k-tokens", "8", "--hot-rows", "12", "--cold-dtype", "bfloat16")
+    assert compact.exit_code == 0, compact.output
+    assert len(json.loads(compact.stdout.splitlines()[0])["token_ids"]) == 6
 
 
 @pytest.mark.parametrize("args, named", [
     (["--hisparse", "--top-k-tokens", "0"], "top_k_tokens=0 is out of range"),
     (["--hisparse", "--top-k-tokens", "8", "--hot-rows", "4"], "hot_rows=4 is smaller than top_k_tokens=8"),
-    (["--top-k-tokens", "8"], "--top-k-tokens and --hot-rows need --hisparse"),
+    (["--top-k-tokens", "8"], "--top-k-tokens, --hot-rows and --cold-dtype need --hisparse"),
+    (["--cold-dtype", "bfloat16"], "--top-k-tokens, --hot-rows and --cold-dtype need --hisparse"),
+    (["--hisparse", "--cold-dtype", "int8"], "'int8' is not one of 'float32', 'bfloat16', 'float16'"),
 ])
 def test_cli_bad_hisparse_options_are_one_error_line(tiny_checkpoint, args, named):
     result = generate_command("--prompt-ids", "2,3", "--model", str(tiny_checkpoint("predictive").path),

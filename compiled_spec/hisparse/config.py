@@ -4,9 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from ..errors import CompiledSpecError
 
 SCORERS = ("auto", "indexer", "keys")
+COLD_DTYPES = ("float32", "bfloat16", "float16")
 
 
 @dataclass(frozen=True)
@@ -19,6 +22,8 @@ class HiSparseConfig:
     scorer: "indexer" needs lightning-indexer weights in the checkpoint; "keys" is the training-free
         scorer (the layer's own queries against its keys, mean-pooled over KV heads); "auto" uses the
         indexer where the checkpoint has one.
+    cold_dtype: dtype of the cold pool (the full KV history), e.g. "bfloat16" to halve its memory; rows
+        are rounded when they are backed up and widened again when read. None: the engine's dtype.
     draft_mirror: copy the MTP draft layers' new rows to the cold pool after the drafter writes them.
         Only tests turn it off (it injects the fault behind the acceptance-collapse bug).
     """
@@ -26,6 +31,7 @@ class HiSparseConfig:
     top_k_tokens: int = 64
     hot_rows: int = 128
     scorer: str = "auto"
+    cold_dtype: str | None = None
     draft_mirror: bool = True
 
     def validate(self, num_speculative_tokens: int) -> None:
@@ -47,6 +53,13 @@ class HiSparseConfig:
             )
         if self.scorer not in SCORERS:
             raise CompiledSpecError(f"scorer={self.scorer!r} is not known; choose one of: {', '.join(SCORERS)}")
+        if self.cold_dtype is not None and self.cold_dtype not in COLD_DTYPES:
+            raise CompiledSpecError(
+                f"cold_dtype={self.cold_dtype!r} is not supported; choose one of: {', '.join(COLD_DTYPES)}"
+            )
+
+    def cold_torch_dtype(self, engine_dtype: torch.dtype) -> torch.dtype:
+        return engine_dtype if self.cold_dtype is None else getattr(torch, self.cold_dtype)
 
 
 def decode_pass_width(num_speculative_tokens: int) -> int:

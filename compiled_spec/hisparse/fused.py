@@ -1,11 +1,14 @@
 """`compiled_spec::hisparse_attention`: select + resolve + swap + attend as one op.
 
 Same contract and results as reference.sparse_attention (the fusion pass swaps one for the other).
-The CPU implementation makes fewer passes over the tiers: residency is resolved through an inverse
-map (position -> hot row) instead of comparing every wanted position with every hot row, rows move
-as contiguous rows of flattened buffers (new rows and swap-ins land in the hot buffer with one
-index_copy_ per tensor), and attention runs as one SDPA call over each query's K gathered rows. The op is functional (it returns new tiers); the caller writes
-them back into the persistent buffers, inside the graph.
+Both devices share the tier bookkeeping, which makes fewer passes over the tiers than the reference:
+residency is resolved through an inverse map (position -> hot row) instead of comparing every wanted
+position with every hot row, and rows move as contiguous rows of flattened buffers (new rows and
+swap-ins land in the hot buffer with one index_copy_ per tensor). Attention over each query's K
+selected rows is one SDPA call over gathered rows on CPU, and on CUDA one Triton kernel
+(triton_attention.py) that reads each row straight from the hot buffer or the cold pool, with no
+gathered copy. The op is functional (it returns new tiers); the caller writes them back into the
+persistent buffers, inside the graph.
 """
 
 from __future__ import annotations
@@ -25,9 +28,9 @@ def _mark_rows(positions, rows, mark, trash):
     return torch.zeros_like(positions, dtype=torch.bool).scatter_(1, rows.masked_fill(~mark, trash), mark)
 
 
-def _fused_cpu(
+def _fused(
     q, new_keys, new_values, index_q, index_w, index_keys, cold_keys, cold_values,
-    hot_keys, hot_values, hot_positions, hot_last_used, write_positions, attend, clock, live, top_k,
+    hot_keys, hot_values, hot_positions, hot_last_used, write_positions, attend, clock, live, top_k, attend_rows,
 ):
     batch, length = write_positions.shape
     capacity = index_keys.shape[1]
@@ -85,36 +88,57 @@ def _fused_cpu(
     set_rows(wanted.masked_fill(~fits, -1), swap_target)
 
     # Rows move as contiguous [KVH * D] rows of flattened buffers: one index_copy_ per tensor for new rows and
-    # swap-ins together (distinct rows, trash aside), index_select for reads.
+    # swap-ins together (distinct rows, trash aside).
     kv_heads, dim = hot_keys.shape[2], hot_keys.shape[3]
     batch_ids = torch.arange(batch, device=q.device)[:, None]
     hot_base, cold_base = batch_ids * slots, batch_ids * capacity
     hot_index = torch.cat([(hot_base + write_target).flatten(), (hot_base + swap_target).flatten()])
     swap_source = (cold_base + wanted.clamp(min=0)).flatten()
-    selected_flat = selected.reshape(batch, -1)
-    row = rows_of(selected_flat)
-    read_hot, read_cold = (hot_base + row.clamp(min=0)).flatten(), (cold_base + selected_flat).flatten()
-    resident = (row >= 0).view(-1, 1)
-    top = selected.shape[-1]
-    out_tiers, attended = [], []
+    out_tiers = []
     for hot, new, cold in ((hot_keys, new_keys, cold_keys), (hot_values, new_values, cold_values)):
         hot_rows = hot.reshape(batch * slots, kv_heads * dim).clone()
         cold_rows = cold.reshape(batch * capacity, kv_heads * dim)
         incoming = torch.cat([new.reshape(batch * length, -1).to(hot.dtype), cold_rows.index_select(0, swap_source).to(hot.dtype)])
         hot_rows.index_copy_(0, hot_index, incoming)
-        read = torch.where(resident, hot_rows.index_select(0, read_hot), cold_rows.index_select(0, read_cold).to(hot.dtype))
         out_tiers.append(hot_rows.view_as(hot))
-        attended.append(read.view(batch * length, top, kv_heads, dim).transpose(1, 2).float())
     keys_hot, values_hot = out_tiers
 
-    # Attention over each query's K rows (GQA: query head h reads KV head h // (H / KVH)).
-    heads = q.shape[2]
+    # Each selected position is read from its hot row where resident, else from the cold pool.
+    selected_flat = selected.reshape(batch, -1)
+    row = rows_of(selected_flat)
+    hot_read = torch.where(row >= 0, hot_base + row, -1).view(batch * length, -1)
+    cold_read = (cold_base + selected_flat).view(batch * length, -1)
+    out = attend_rows(q, keys_hot, values_hot, cold_keys, cold_values, hot_read, cold_read, valid)
+    return out, keys_hot, values_hot, positions, last_used
+
+
+def _attend_rows_cpu(q, hot_keys, hot_values, cold_keys, cold_values, hot_read, cold_read, valid):
+    """Attention of each query over its K rows: one gather per tier and one SDPA call.
+
+    hot_read/cold_read [B*T, K]: flat row of each selected position in the hot buffer (-1 = not resident)
+    and in the cold pool. Returns [B, T, H, D].
+    """
+    batch, length, heads, dim = q.shape
+    kv_heads, top = hot_keys.shape[-2], hot_read.shape[1]
+    resident = (hot_read >= 0).view(-1, 1)
+    attended = []
+    for hot, cold in ((hot_keys, cold_keys), (hot_values, cold_values)):
+        hot_rows, cold_rows = hot.reshape(-1, kv_heads * dim), cold.reshape(-1, kv_heads * dim)
+        read = torch.where(resident, hot_rows.index_select(0, hot_read.clamp(min=0).flatten()),
+                           cold_rows.index_select(0, cold_read.flatten()).to(hot.dtype))
+        attended.append(read.view(batch * length, top, kv_heads, dim).transpose(1, 2).float())
+    # GQA: query head h reads KV head h // (H / KVH).
     out = F.scaled_dot_product_attention(
         q.reshape(batch * length, 1, heads, dim).transpose(1, 2).float(), *attended,
         attn_mask=valid.view(batch * length, 1, 1, top), enable_gqa=True,
     )
-    out = out.transpose(1, 2).reshape(batch, length, heads, dim).to(q.dtype)
-    return out, keys_hot, values_hot, positions, last_used
+    return out.transpose(1, 2).reshape(batch, length, heads, dim).to(q.dtype)
+
+
+def _attend_rows_triton(q, hot_keys, hot_values, cold_keys, cold_values, hot_read, cold_read, valid):
+    from .triton_attention import attend_rows
+
+    return attend_rows(q, hot_keys, hot_values, cold_keys, cold_values, hot_read, cold_read, valid)
 
 
 @torch.library.custom_op("compiled_spec::hisparse_attention", mutates_args=())
@@ -137,9 +161,20 @@ def hisparse_attention(
     live: torch.Tensor,
     top_k: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _fused_cpu(
+    return _fused(
         q, new_keys, new_values, index_q, index_w, index_keys, cold_keys, cold_values,
         hot_keys, hot_values, hot_positions, hot_last_used, write_positions, attend, clock, live, top_k,
+        _attend_rows_cpu,
+    )
+
+
+@hisparse_attention.register_kernel("cuda")
+def _(q, new_keys, new_values, index_q, index_w, index_keys, cold_keys, cold_values,
+      hot_keys, hot_values, hot_positions, hot_last_used, write_positions, attend, clock, live, top_k):
+    return _fused(
+        q, new_keys, new_values, index_q, index_w, index_keys, cold_keys, cold_values,
+        hot_keys, hot_values, hot_positions, hot_last_used, write_positions, attend, clock, live, top_k,
+        _attend_rows_triton,
     )
 
 

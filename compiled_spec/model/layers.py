@@ -58,6 +58,7 @@ def attend_with_cache(
         keys, values = key_cache[:batch], value_cache[:batch]
     else:
         keys, values = key_cache[slot_ids], value_cache[slot_ids]
+    keys, values = keys.to(q.dtype), values.to(q.dtype)  # a compact HiSparse cold pool is widened to read
     out = F.scaled_dot_product_attention(
         q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), attn_mask=attend, enable_gqa=True
     )

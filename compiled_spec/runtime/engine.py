@@ -48,7 +48,8 @@ class Engine:
         hisparse = config.hisparse
         self.state = DecodeState.allocate(
             model.config, config.max_batch_size, config.max_seq_len, self.k, dtype, device,
-            **(dict(hot_rows=hisparse.hot_rows, index_dims=index_key_dims(model, self.k)) if hisparse else {}),
+            **(dict(hot_rows=hisparse.hot_rows, index_dims=index_key_dims(model, self.k),
+                   cold_dtype=hisparse.cold_torch_dtype(dtype)) if hisparse else {}),
         )
         cos, sin = rotary_tables(model.config, self.state.cache_capacity)
         self.constants = StepConstants(

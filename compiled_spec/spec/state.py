@@ -81,8 +81,10 @@ class DecodeState:
         device: str | torch.device,
         hot_rows: int | None = None,
         index_dims: list[int] | tuple[int, ...] = (),
+        cold_dtype: torch.dtype | None = None,
     ) -> "DecodeState":
-        """hot_rows and index_dims (one per main layer, then per draft depth) turn on the HiSparse tiers."""
+        """hot_rows and index_dims (one per main layer, then per draft depth) turn on the HiSparse tiers; the
+        KV caches are then their cold pool, in cold_dtype (default: dtype)."""
         k = num_speculative_tokens
         # Rows up to position max_seq_len - 1 + k are written by a step; one more is the trash position.
         capacity = max_seq_len + k + 1
@@ -92,7 +94,7 @@ class DecodeState:
             return torch.zeros(*shape, dtype=dtype, device=device)
 
         def caches(count):
-            return [zeros(*cache_shape, dtype=dtype) for _ in range(count)]
+            return [zeros(*cache_shape, dtype=cold_dtype if hot_rows and cold_dtype else dtype) for _ in range(count)]
 
         return cls(
             pending_tokens=zeros(num_slots),
