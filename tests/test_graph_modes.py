@@ -73,3 +73,17 @@ def test_zero_recompiles_after_warm_up(compiled_result):
     assert compiled_result["warm_up_graphs"] == len(ENGINE["batch_buckets"]) + len(ENGINE["prefill_buckets"])
     assert compiled_result["workload_graphs"] == 0
     assert compiled_result["again"] == compiled_result["result"]
+
+
+def test_full_mode_on_cpu_folds_the_weights_into_its_gemms(compiled_result):
+    """Freezing must really freeze: with the weights as graph inputs every matmul stays an aten::mm call (what
+    `full` did before graph_modes.traced_for_freezing), with them folded max-autotune compiles C++ GEMM kernels."""
+    engine = compiled_result["llm"].engine
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profiler:
+        engine.runner.step(ENGINE["batch_buckets"][0])
+    calls = {event.key: event.count for event in profiler.key_averages()}
+    matmuls = sum(calls.get(name, 0) for name in ("aten::mm", "aten::addmm", "aten::bmm", "aten::linear"))
+    if compiled_result["mode"] == "full":
+        assert matmuls == 0, calls
+    else:
+        assert matmuls > 0, calls  # the same step in the other modes: the check can see matmuls

@@ -15,6 +15,7 @@ itself never does).
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 from torch._inductor.compile_fx import compile_fx
@@ -59,6 +60,22 @@ def spec_backend(options: dict, manager: SpecPassManager):
     return backend
 
 
+def traced_for_freezing(compiled):
+    """Calls `compiled` with inductor's global freezing flag on.
+
+    Dynamo reads the global flag, not the backend's options, when it decides how parameters enter the
+    graph: without it they become graph inputs, freezing finds no parameters to fold, and max-autotune
+    has no constant weights for its C++ GEMM templates (every matmul stays an aten::mm call).
+    """
+
+    @functools.wraps(compiled)
+    def call(*args):
+        with torch._inductor.config.patch(freezing=True):
+            return compiled(*args)
+
+    return call
+
+
 class StepRunner:
     """Calls the step and prefill for one engine, eagerly or compiled."""
 
@@ -97,6 +114,8 @@ class StepRunner:
             manager = SpecPassManager(passes if passes is not None else default_passes(constants.hisparse), context)
             self.managers[name] = manager
             compiled[name] = torch.compile(function, fullgraph=True, dynamic=False, backend=spec_backend(options, manager))
+            if options.get("freezing"):
+                compiled[name] = traced_for_freezing(compiled[name])
         self._step, self._prefill = compiled["step"], compiled["prefill"]
 
     @torch.inference_mode()
