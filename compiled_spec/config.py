@@ -30,7 +30,7 @@ class GraphMode(str, enum.Enum):
     @classmethod
     def default_for(cls, device: str) -> "GraphMode":
         """full where graphs are captured and replayed (CUDA); eager on CPU, where compiling full's
-        frozen, autotuned graphs costs minutes cold and about a minute from a warm inductor cache."""
+        frozen, autotuned graphs costs minutes even from a warm inductor cache (frozen graphs miss it)."""
         return cls.FULL if str(device).startswith("cuda") else cls.EAGER
 
     @classmethod
