@@ -43,10 +43,10 @@ def test_cudagraph_replay_keeps_acceptance_parity(tiny_checkpoint, mode):
 
 def test_the_hisparse_triton_kernel_equals_the_cpu_op():
     from compiled_spec.hisparse.fused import hisparse_attention
-    from test_hisparse import random_tiers
+    from test_hisparse import tier_case
 
     for seed in range(6):
-        args = random_tiers(seed, **(dict(rows=6, top_k=3) if seed % 3 == 0 else {}))
+        args = tier_case(seed)
         on_gpu = [a.cuda() if isinstance(a, torch.Tensor) else a for a in args]
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profiler:
             gpu = hisparse_attention(*on_gpu)

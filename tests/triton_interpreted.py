@@ -11,14 +11,13 @@ import sys
 import torch
 
 from compiled_spec.hisparse.fused import _attend_rows_triton, _fused
-from test_hisparse import random_tiers
+from test_hisparse import tier_case
 
 
 def op_cases():
     """Whole-op calls: random tier states, some with more wanted rows than fit (read from the cold pool)."""
     for seed in range(6):
-        small = dict(rows=6, top_k=3) if seed % 3 == 0 else {}
-        args = random_tiers(seed, weighted=seed % 4 != 1, **small)
+        args = tier_case(seed)
         yield args, _fused(*args, _attend_rows_triton)
 
 
