@@ -5,8 +5,6 @@ from __future__ import annotations
 import statistics
 import time
 
-import torch
-
 from .workload import digest
 
 
@@ -18,12 +16,9 @@ def percentile(values: list[float], fraction: float) -> float:
     return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
 
 
-def unique_graphs() -> int:
-    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
-
-
 def measure_engine(spec: dict) -> dict:
     from compiled_spec import LLM, HiSparseConfig, SamplingParams
+    from compiled_spec.runtime.graph_modes import graphs_made
 
     mode, k, batch = spec["graph_mode"], spec["num_speculative_tokens"], spec["batch_size"]
     prompt_ids, max_seq_len = spec["prompt_ids"], spec["max_seq_len"]
@@ -45,7 +40,7 @@ def measure_engine(spec: dict) -> dict:
 
     # One short untimed request: first-call costs of eager kernels, allocator, tokenizer.
     llm.generate([prompt_ids[0]], SamplingParams(max_tokens=min(4, spec["max_tokens"]), ignore_eos=True))
-    graphs_before = unique_graphs()
+    graphs_before = graphs_made(engine.runner)
     params = SamplingParams(max_tokens=spec["max_tokens"], ignore_eos=True)
     best = None
     for _ in range(spec["repeats"]):
@@ -84,7 +79,10 @@ def measure_engine(spec: dict) -> dict:
         "mean_accepted_length": stats.mean_accepted_length if k else 1.0,
         "warmup_s": engine.warmup_seconds,
         "setup_s": setup_s,
-        "graphs_compiled_while_timed": unique_graphs() - graphs_before,
+        "graphs_compiled_while_timed": graphs_made(engine.runner) - graphs_before,
+        # full on CPU: bucket packages compiled at warm-up, and those a warm start loaded instead.
+        "packages_compiled": len(engine.runner.packages()[0]),
+        "packages_loaded": len(engine.runner.packages()[1]),
         "batch_buckets": list(engine.batch_buckets),
         "prefill_buckets": list(engine.prefill_buckets),
         "output_digests": [digest(output.token_ids) for output in outputs],

@@ -29,8 +29,8 @@ class GraphMode(str, enum.Enum):
 
     @classmethod
     def default_for(cls, device: str) -> "GraphMode":
-        """full where graphs are captured and replayed (CUDA); eager on CPU, where compiling full's
-        frozen, autotuned graphs costs minutes even from a warm inductor cache (frozen graphs miss it)."""
+        """full where graphs are captured and replayed (CUDA); eager on CPU, where full's first start compiles
+        every bucket for minutes (later starts load the saved packages in about a second)."""
         return cls.FULL if str(device).startswith("cuda") else cls.EAGER
 
     @classmethod

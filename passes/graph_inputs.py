@@ -1,7 +1,8 @@
 """Names for the inputs of a post-grad graph, so passes can say which decode-state field they mean.
 
-Post-grad placeholders only know their position among the Dynamo graph's inputs. The compile
-backend records each Dynamo input's source (e.g. L['state'].main_keys[3]) here before lowering.
+Post-grad placeholders only know their position among the traced graph's inputs. The compile
+backend records each Dynamo input's source (e.g. L['state'].main_keys[3]) here before lowering; an
+ahead-of-time compile records the exported program's inputs (e.g. state.main_keys[3]).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import re
 import torch
 
 _SOURCE_NAMES: contextvars.ContextVar[list[str] | None] = contextvars.ContextVar("spec_input_names", default=None)
-_STATE_FIELD = re.compile(r"\['state'\]\.(\w+(?:\[\d+\])?)")
+_STATE_FIELD = re.compile(r"(?:\['state'\]|^state)\.(\w+(?:\[\d+\])?)")
 
 
 @contextlib.contextmanager

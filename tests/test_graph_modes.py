@@ -12,6 +12,7 @@ import torch
 from torch._dynamo.utils import counters
 
 from compiled_spec import LLM, SamplingParams
+from compiled_spec.runtime.graph_modes import graphs_made
 
 K = 2
 ENGINE = dict(num_speculative_tokens=K, max_batch_size=4, max_seq_len=64, batch_buckets=(2, 4), prefill_buckets=(64,))
@@ -44,7 +45,7 @@ def compiled_result(request, workload):
     path, prompts = workload
     graphs_before = counters["stats"]["unique_graphs"]
     llm = LLM(path, graph_mode=request.param, show_progress=False, **ENGINE)
-    graphs_after_warm_up = counters["stats"]["unique_graphs"]
+    graphs_after_warm_up = graphs_made(llm.engine.runner)
     with torch.compiler.set_stance("fail_on_recompile"):
         result = run_workload(llm, prompts)
         again = run_workload(llm, prompts)
@@ -54,7 +55,7 @@ def compiled_result(request, workload):
         result=result,
         again=again,
         warm_up_graphs=graphs_after_warm_up - graphs_before,
-        workload_graphs=counters["stats"]["unique_graphs"] - graphs_after_warm_up,
+        workload_graphs=graphs_made(llm.engine.runner) - graphs_after_warm_up,
     )
 
 
@@ -77,7 +78,7 @@ def test_zero_recompiles_after_warm_up(compiled_result):
 
 def test_full_mode_on_cpu_folds_the_weights_into_its_gemms(compiled_result):
     """Freezing must really freeze: with the weights as graph inputs every matmul stays an aten::mm call (what
-    `full` did before graph_modes.traced_for_freezing), with them folded max-autotune compiles C++ GEMM kernels."""
+    `full` did when Dynamo lifted them as inputs), with them folded max-autotune compiles C++ GEMM kernels."""
     engine = compiled_result["llm"].engine
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profiler:
         engine.runner.step(ENGINE["batch_buckets"][0])
@@ -87,3 +88,17 @@ def test_full_mode_on_cpu_folds_the_weights_into_its_gemms(compiled_result):
         assert matmuls == 0, calls
     else:
         assert matmuls > 0, calls  # the same step in the other modes: the check can see matmuls
+
+
+@pytest.mark.parametrize("compiled_result", ["full"], indirect=True)
+def test_a_second_full_engine_on_cpu_loads_every_bucket_instead_of_compiling(workload, compiled_result):
+    """full on CPU keeps each bucket as an AOTInductor package; an engine of the same model and configuration
+    (here in the same process, normally a later one) loads every bucket and decodes the same."""
+    path, prompts = workload
+    compiled, loaded = compiled_result["llm"].engine.runner.packages()
+    assert len(compiled + loaded) == len(ENGINE["batch_buckets"]) + len(ENGINE["prefill_buckets"])
+    llm = LLM(path, graph_mode="full", show_progress=False, **ENGINE)
+    again_compiled, again_loaded = llm.engine.runner.packages()
+    assert again_compiled == [] and sorted(again_loaded) == sorted(compiled + loaded)
+    with torch.compiler.set_stance("fail_on_recompile"):
+        assert run_workload(llm, prompts) == compiled_result["result"]

@@ -4,7 +4,8 @@ eager: plain PyTorch, the reference. compile: inductor, no graph capture. piecew
 graphs split at attention (cache write + attention is an opaque custom op); on CUDA the pieces are
 replayed as CUDA graphs and attention runs between them, on CPU the pieces are compiled code and
 attention runs as the op's own kernel. full: the whole step as one max-autotune graph per bucket,
-replayed by cudagraph trees on CUDA; on CPU freezing lets max-autotune tune the GEMMs.
+replayed by cudagraph trees on CUDA; on CPU frozen (so max-autotune tunes GEMMs over constant weights)
+and compiled ahead of time into a package per bucket that later processes load (runtime/packaged.py).
 
 In piecewise and full the runner captures the state's buffers once and calls every graph on
 exactly those buffers, as a replayed CUDA graph would: anything that rebinds a state field
@@ -15,7 +16,6 @@ itself never does).
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import torch
 from torch._inductor.compile_fx import compile_fx
@@ -28,6 +28,7 @@ from ..config import GraphMode
 from ..model.causal_lm import CausalLM
 from ..spec.state import DecodeState
 from ..spec.step import StepConstants, prefill, speculative_step, state_writes
+from .packaged import AheadOfTimeCompiled
 
 # Every bucket of every engine in a process is a separate specialization of the same functions.
 torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 512)
@@ -38,8 +39,8 @@ def inductor_options(mode: GraphMode, device: torch.device) -> dict:
     cuda = device.type == "cuda"
     if mode == GraphMode.FULL:
         options = dict(torch._inductor.list_mode_options("max-autotune"))
-        if not cuda:
-            options["freezing"] = True
+        if not cuda:  # packaged ahead of time: no graph replay on CPU, and freezing for the GEMM templates
+            options.update({"freezing": True, "triton.cudagraphs": False})
         return options
     if mode == GraphMode.PIECEWISE:
         return {
@@ -58,22 +59,6 @@ def spec_backend(options: dict, manager: SpecPassManager):
             return compile_fx(gm, example_inputs, config_patches={**options, "post_grad_custom_post_pass": manager})
 
     return backend
-
-
-def traced_for_freezing(compiled):
-    """Calls `compiled` with inductor's global freezing flag on.
-
-    Dynamo reads the global flag, not the backend's options, when it decides how parameters enter the
-    graph: without it they become graph inputs, freezing finds no parameters to fold, and max-autotune
-    has no constant weights for its C++ GEMM templates (every matmul stays an aten::mm call).
-    """
-
-    @functools.wraps(compiled)
-    def call(*args):
-        with torch._inductor.config.patch(freezing=True):
-            return compiled(*args)
-
-    return call
 
 
 class StepRunner:
@@ -113,10 +98,16 @@ class StepRunner:
             )
             manager = SpecPassManager(passes if passes is not None else default_passes(constants.hisparse), context)
             self.managers[name] = manager
-            compiled[name] = torch.compile(function, fullgraph=True, dynamic=False, backend=spec_backend(options, manager))
             if options.get("freezing"):
-                compiled[name] = traced_for_freezing(compiled[name])
+                compiled[name] = AheadOfTimeCompiled(function, manager, options)
+            else:
+                compiled[name] = torch.compile(function, fullgraph=True, dynamic=False, backend=spec_backend(options, manager))
         self._step, self._prefill = compiled["step"], compiled["prefill"]
+
+    def packages(self) -> tuple[list[str], list[str]]:
+        """(compiled, loaded): the ahead-of-time packages (full on CPU) this runner has compiled and loaded."""
+        packaged = [f for f in (self._step, self._prefill) if isinstance(f, AheadOfTimeCompiled)]
+        return [name for f in packaged for name in f.compiled], [name for f in packaged for name in f.loaded]
 
     @torch.inference_mode()
     def step(self, batch_size: int):
@@ -125,3 +116,9 @@ class StepRunner:
     @torch.inference_mode()
     def prefill(self, slot: torch.Tensor, prompt_ids: torch.Tensor, prompt_len: torch.Tensor):
         return self._prefill(*self._bound, slot, prompt_ids, prompt_len)
+
+
+def graphs_made(runner: StepRunner) -> int:
+    """Graphs Dynamo has traced in this process, plus the packages (full on CPU) `runner` compiled or loaded."""
+    compiled, loaded = runner.packages()
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"] + len(compiled) + len(loaded)

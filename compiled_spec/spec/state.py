@@ -63,12 +63,32 @@ class DecodeState:
         """Cache position that absorbs writes that must not land anywhere; no query ever reaches it."""
         return self.cache_capacity - 1
 
-    def tensors(self) -> list[torch.Tensor]:
+    def named_tensors(self) -> list[tuple[str, torch.Tensor]]:
+        """Every tensor with the field it belongs to: ('seq_lens', ...), ('main_keys[0]', ...), in field order."""
         out = []
         for state_field in fields(self):
             value = getattr(self, state_field.name)
-            out.extend(value if isinstance(value, list) else [value])
+            if isinstance(value, list):
+                out += [(f"{state_field.name}[{i}]", tensor) for i, tensor in enumerate(value)]
+            else:
+                out.append((state_field.name, value))
         return out
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [tensor for _, tensor in self.named_tensors()]
+
+    def with_tensors(self, tensors: list[torch.Tensor]) -> "DecodeState":
+        """A state of the same layout over `tensors`, given in tensors() order (the inverse of tensors())."""
+        values, at = {}, 0
+        for state_field in fields(self):
+            value = getattr(self, state_field.name)
+            count = len(value) if isinstance(value, list) else 1
+            chunk = list(tensors[at:at + count])
+            values[state_field.name] = chunk if isinstance(value, list) else chunk[0]
+            at += count
+        if at != len(tensors):
+            raise ValueError(f"{len(tensors)} tensors for a state of {at}")
+        return DecodeState(**values)
 
     @classmethod
     def allocate(

@@ -1,0 +1,129 @@
+"""full on CPU: each bucket compiled ahead of time into an AOTInductor package, kept on disk by key.
+
+torch.compile cannot start frozen CPU graphs quickly: Dynamo traces them again in every process, AOT
+autograd does not cache a graph with freezing on, and inductor's FX graph cache skips frozen graphs (the
+MKL-packed weights among their constants cannot be pickled), so a warm start of the default model's
+buckets took ~400 s. Here a bucket is exported (torch.export: one graph or an error, like
+fullgraph=True), compiled by inductor with full's options (max-autotune, freezing) and the same passes,
+and saved under the inductor cache dir; a process that needs the same bucket loads it in milliseconds.
+
+A package has no guards, so its key covers everything the compiled code depends on: the weights' bytes
+(frozen into it), the constants, the state's layout, the bucket, the function and this project's code,
+the passes, the options, torch and the CPU.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import inspect
+import os
+from pathlib import Path
+
+import torch
+from torch._inductor.runtime.cache_dir_utils import cache_dir
+from torch.export.graph_signature import InputKind
+
+from passes.graph_inputs import named_inputs
+
+from ..spec.state import DecodeState
+
+PACKAGE_FOLDER = "compiled_spec_packages"
+_PROJECT_ROOT = Path(__file__).resolve().parents[2]
+
+
+class BucketProgram(torch.nn.Module):
+    """function(model, state, constants, *args) for one bucket, over flat tensors: the state's tensors in
+    tensors() order, then the tensor arguments. The other arguments (a batch size) are fixed."""
+
+    def __init__(self, function, model, state: DecodeState, constants, args: tuple):
+        super().__init__()
+        self.model = model
+        self.function, self.layout, self.constants, self.args = function, state, constants, args
+
+    def forward(self, *tensors):
+        count = len(self.layout.tensors())
+        supplied = iter(tensors[count:])
+        args = [next(supplied) if isinstance(arg, torch.Tensor) else arg for arg in self.args]
+        return self.function(self.model, self.layout.with_tensors(tensors[:count]), self.constants, *args)
+
+
+class AheadOfTimeCompiled:
+    """Stands in for torch.compile(function): the first call of each bucket (argument shapes and fixed
+    values) loads its package, or exports, compiles and saves it when there is none."""
+
+    def __init__(self, function, manager, options: dict):
+        self.function, self.manager, self.options = function, manager, options
+        self.folder = Path(cache_dir()) / PACKAGE_FOLDER
+        self.packages: dict[tuple, object] = {}
+        self.compiled: list[str] = []  # package files this object compiled; the rest it loaded
+        self.loaded: list[str] = []
+
+    def __call__(self, model, state: DecodeState, constants, *args):
+        bucket = tuple(tuple(arg.shape) if isinstance(arg, torch.Tensor) else arg for arg in args)
+        package = self.packages.get(bucket)
+        if package is None:
+            package = self.packages[bucket] = self._package(model, state, constants, args, bucket)
+        return package(*state.tensors(), *(arg for arg in args if isinstance(arg, torch.Tensor)))
+
+    def _package(self, model, state, constants, args, bucket):
+        key = package_key(self.function, self.manager.uuid(), self.options, model, state, constants, args)
+        shape = "-".join(str(size) for size in torch.utils._pytree.tree_leaves(bucket))
+        path = self.folder / f"{self.function.__name__}-{shape}-{key[:24]}.pt2"
+        if path.exists():
+            self.loaded.append(path.name)
+        else:
+            self._compile(BucketProgram(self.function, model, state, constants, args), state, args, path)
+            self.compiled.append(path.name)
+        return torch._inductor.aoti_load_package(str(path))
+
+    def _compile(self, program: BucketProgram, state: DecodeState, args, path: Path) -> None:
+        inputs = tuple(state.tensors()) + tuple(arg for arg in args if isinstance(arg, torch.Tensor))
+        with torch.no_grad():
+            exported = torch.export.export(program, inputs, strict=False)
+        # Lifted weights come first among the compiled graph's inputs (freezing then folds them away).
+        weights = [spec.target for spec in exported.graph_signature.input_specs
+                   if spec.kind in (InputKind.PARAMETER, InputKind.BUFFER)]
+        names = weights + [f"state.{name}" for name, _ in state.named_tensors()]
+        names += [f"arg{i}" for i in range(len(inputs) - len(state.tensors()))]
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_name(f"{path.stem}.{os.getpid()}.partial.pt2")  # AOTInductor insists on .pt2
+        with named_inputs(names):
+            torch._inductor.aoti_compile_and_package(
+                exported, package_path=str(partial),
+                inductor_configs={**self.options, "post_grad_custom_post_pass": self.manager},
+            )
+        os.replace(partial, path)  # atomic: a process that loads concurrently sees a whole package or none
+
+
+def package_key(function, passes_uuid: str, options: dict, model, state: DecodeState, constants, args) -> str:
+    digest = hashlib.sha256()
+
+    def add(*values):
+        for value in values:
+            digest.update(value if isinstance(value, bytes) else repr(value).encode())
+            digest.update(b"\0")
+
+    add(torch.__version__, torch.backends.cpu.get_cpu_capability(), torch.get_num_threads())
+    add(_code_digest(), function.__module__, function.__qualname__, inspect.getsource(inspect.getmodule(function)))
+    add(passes_uuid, sorted(options.items()))
+    add([(name, tensor.shape, tensor.dtype, tensor.device) for name, tensor in state.named_tensors()])
+    add([arg if not isinstance(arg, torch.Tensor) else (arg.shape, arg.dtype) for arg in args])
+    add(type(model).__qualname__, getattr(model, "config", None))
+    for name, tensor in list(model.state_dict().items()) + list(constants._asdict().items()):
+        add(name, _tensor_bytes(tensor) if isinstance(tensor, torch.Tensor) else tensor)
+    return digest.hexdigest()
+
+
+def _tensor_bytes(tensor: torch.Tensor) -> bytes:
+    flat = tensor.detach().cpu().contiguous().reshape(-1)
+    return repr((tensor.shape, tensor.dtype)).encode() + hashlib.sha256(flat.view(torch.uint8).numpy()).digest()
+
+
+@functools.cache
+def _code_digest() -> str:
+    digest = hashlib.sha256()
+    for folder in ("compiled_spec", "passes"):
+        for source in sorted((_PROJECT_ROOT / folder).rglob("*.py")):
+            digest.update(str(source.relative_to(_PROJECT_ROOT)).encode() + source.read_bytes())
+    return digest.hexdigest()

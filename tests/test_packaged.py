@@ -1,0 +1,42 @@
+"""The key of an ahead-of-time package (full on CPU): a package has no guards, so whatever its code depends on
+must change the key, and nothing else may."""
+
+from __future__ import annotations
+
+import torch
+
+from compiled_spec import LLM
+from compiled_spec.config import GraphMode
+from compiled_spec.runtime.graph_modes import inductor_options
+from compiled_spec.runtime.packaged import package_key
+from compiled_spec.spec.step import prefill, speculative_step
+
+ENGINE = dict(num_speculative_tokens=2, max_batch_size=4, max_seq_len=32, warm_up=False)
+OPTIONS = inductor_options(GraphMode.FULL, torch.device("cpu"))
+
+
+def key(llm: LLM, function=speculative_step, args=(2,), options=OPTIONS, passes="passes-uuid") -> str:
+    engine = llm.engine
+    return package_key(function, passes, options, llm.model, engine.state, engine.constants, args)
+
+
+def test_the_same_model_and_configuration_give_the_same_key(tiny_checkpoint):
+    path = tiny_checkpoint("predictive").path
+    assert key(LLM(path, **ENGINE)) == key(LLM(path, **ENGINE))
+
+
+def test_the_key_changes_with_what_the_compiled_code_depends_on(tiny_checkpoint):
+    path = tiny_checkpoint("predictive").path
+    llm = LLM(path, **ENGINE)
+    base = key(llm)
+    assert key(llm, args=(4,)) != base  # another batch bucket
+    assert key(llm, function=prefill) != base
+    assert key(llm, passes="other-passes-uuid") != base
+    assert key(llm, options={**OPTIONS, "max_autotune": False}) != base
+    assert key(LLM(path, **{**ENGINE, "max_seq_len": 48})) != base  # the state's layout
+    assert key(LLM(path, **{**ENGINE, "num_speculative_tokens": 1})) != base
+    assert key(LLM(tiny_checkpoint("llama_mtp_indexed").path, **ENGINE)) != base  # another model
+    weight = llm.model.embed_tokens.weight.view(-1)
+    with torch.no_grad():
+        weight[7] = torch.nextafter(weight[7], torch.tensor(float("inf")))  # the last bit of one weight
+    assert key(llm) != base
