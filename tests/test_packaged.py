@@ -8,7 +8,7 @@ import torch
 from compiled_spec import LLM
 from compiled_spec.config import GraphMode
 from compiled_spec.runtime.graph_modes import inductor_options
-from compiled_spec.runtime.packaged import package_key
+from compiled_spec.runtime.packaged import model_digest, package_key
 from compiled_spec.spec.step import prefill, speculative_step
 
 ENGINE = dict(num_speculative_tokens=2, max_batch_size=4, max_seq_len=32, warm_up=False)
@@ -17,7 +17,7 @@ OPTIONS = inductor_options(GraphMode.FULL, torch.device("cpu"))
 
 def key(llm: LLM, function=speculative_step, args=(2,), options=OPTIONS, passes="passes-uuid") -> str:
     engine = llm.engine
-    return package_key(function, passes, options, llm.model, engine.state, engine.constants, args)
+    return package_key(function, passes, options, model_digest(llm.model, engine.constants), engine.state, args)
 
 
 def test_the_same_model_and_configuration_give_the_same_key(tiny_checkpoint):

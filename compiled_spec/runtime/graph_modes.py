@@ -28,7 +28,7 @@ from ..config import GraphMode
 from ..model.causal_lm import CausalLM
 from ..spec.state import DecodeState
 from ..spec.step import StepConstants, prefill, speculative_step, state_writes
-from .packaged import AheadOfTimeCompiled
+from .packaged import AheadOfTimeCompiled, model_digest
 
 # Every bucket of every engine in a process is a separate specialization of the same functions.
 torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 512)
@@ -91,6 +91,7 @@ class StepRunner:
         options = inductor_options(mode, device)
         writes = state_writes(state)
         compiled = {}
+        model_key = model_digest(model, constants) if options.get("freezing") else None
         for name, function in (("step", step_function), ("prefill", prefill_function)):
             context = PassContext(
                 graph_name=f"{name} ({mode.value})", state_writes=writes,
@@ -99,7 +100,7 @@ class StepRunner:
             manager = SpecPassManager(passes if passes is not None else default_passes(constants.hisparse), context)
             self.managers[name] = manager
             if options.get("freezing"):
-                compiled[name] = AheadOfTimeCompiled(function, manager, options)
+                compiled[name] = AheadOfTimeCompiled(function, manager, options, model_key)
             else:
                 compiled[name] = torch.compile(function, fullgraph=True, dynamic=False, backend=spec_backend(options, manager))
         self._step, self._prefill = compiled["step"], compiled["prefill"]

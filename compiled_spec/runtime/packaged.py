@@ -52,22 +52,25 @@ class AheadOfTimeCompiled:
     """Stands in for torch.compile(function): the first call of each bucket (argument shapes and fixed
     values) loads its package, or exports, compiles and saves it when there is none."""
 
-    def __init__(self, function, manager, options: dict):
-        self.function, self.manager, self.options = function, manager, options
+    def __init__(self, function, manager, options: dict, model_key: str):
+        """model_key: model_digest(model, constants) of the model and constants every call passes."""
+        self.function, self.manager, self.options, self.model_key = function, manager, options, model_key
         self.folder = Path(cache_dir()) / PACKAGE_FOLDER
-        self.packages: dict[tuple, object] = {}
+        self.packages: dict[tuple, tuple] = {}  # bucket -> (package, state, state.tensors())
         self.compiled: list[str] = []  # package files this object compiled; the rest it loaded
         self.loaded: list[str] = []
 
     def __call__(self, model, state: DecodeState, constants, *args):
         bucket = tuple(tuple(arg.shape) if isinstance(arg, torch.Tensor) else arg for arg in args)
-        package = self.packages.get(bucket)
-        if package is None:
-            package = self.packages[bucket] = self._package(model, state, constants, args, bucket)
-        return package(*state.tensors(), *(arg for arg in args if isinstance(arg, torch.Tensor)))
+        entry = self.packages.get(bucket)
+        if entry is None or entry[1] is not state:
+            package = entry[0] if entry else self._package(model, state, constants, args, bucket)
+            entry = self.packages[bucket] = (package, state, state.tensors())
+        package, _, state_tensors = entry
+        return package(*state_tensors, *(arg for arg in args if isinstance(arg, torch.Tensor)))
 
     def _package(self, model, state, constants, args, bucket):
-        key = package_key(self.function, self.manager.uuid(), self.options, model, state, constants, args)
+        key = package_key(self.function, self.manager.uuid(), self.options, self.model_key, state, args)
         shape = "-".join(str(size) for size in torch.utils._pytree.tree_leaves(bucket))
         path = self.folder / f"{self.function.__name__}-{shape}-{key[:24]}.pt2"
         if path.exists():
@@ -78,14 +81,15 @@ class AheadOfTimeCompiled:
         return torch._inductor.aoti_load_package(str(path))
 
     def _compile(self, program: BucketProgram, state: DecodeState, args, path: Path) -> None:
-        inputs = tuple(state.tensors()) + tuple(arg for arg in args if isinstance(arg, torch.Tensor))
+        state_tensors = state.tensors()
+        inputs = tuple(state_tensors) + tuple(arg for arg in args if isinstance(arg, torch.Tensor))
         with torch.no_grad():
             exported = torch.export.export(program, inputs, strict=False)
         # Lifted weights come first among the compiled graph's inputs (freezing then folds them away).
         weights = [spec.target for spec in exported.graph_signature.input_specs
                    if spec.kind in (InputKind.PARAMETER, InputKind.BUFFER)]
         names = weights + [f"state.{name}" for name, _ in state.named_tensors()]
-        names += [f"arg{i}" for i in range(len(inputs) - len(state.tensors()))]
+        names += [f"arg{i}" for i in range(len(inputs) - len(state_tensors))]
         path.parent.mkdir(parents=True, exist_ok=True)
         partial = path.with_name(f"{path.stem}.{os.getpid()}.partial.pt2")  # AOTInductor insists on .pt2
         with named_inputs(names):
@@ -96,22 +100,30 @@ class AheadOfTimeCompiled:
         os.replace(partial, path)  # atomic: a process that loads concurrently sees a whole package or none
 
 
-def package_key(function, passes_uuid: str, options: dict, model, state: DecodeState, constants, args) -> str:
+def package_key(function, passes_uuid: str, options: dict, model_key: str, state: DecodeState, args) -> str:
+    """model_key: model_digest() of the model and constants the package is compiled over."""
     digest = hashlib.sha256()
 
     def add(*values):
         for value in values:
-            digest.update(value if isinstance(value, bytes) else repr(value).encode())
+            digest.update(repr(value).encode())
             digest.update(b"\0")
 
     add(torch.__version__, torch.backends.cpu.get_cpu_capability(), torch.get_num_threads())
     add(_code_digest(), function.__module__, function.__qualname__, inspect.getsource(inspect.getmodule(function)))
-    add(passes_uuid, sorted(options.items()))
+    add(passes_uuid, sorted(options.items()), model_key)
     add([(name, tensor.shape, tensor.dtype, tensor.device) for name, tensor in state.named_tensors()])
     add([arg if not isinstance(arg, torch.Tensor) else (arg.shape, arg.dtype) for arg in args])
-    add(type(model).__qualname__, getattr(model, "config", None))
-    for name, tensor in list(model.state_dict().items()) + list(constants._asdict().items()):
-        add(name, _tensor_bytes(tensor) if isinstance(tensor, torch.Tensor) else tensor)
+    return digest.hexdigest()
+
+
+def model_digest(model, constants) -> str:
+    """The model's class, config and every weight's bytes, and the step constants: what freezing bakes in."""
+    digest = hashlib.sha256(repr((type(model).__qualname__, getattr(model, "config", None))).encode())
+    for name, value in list(model.state_dict().items()) + list(constants._asdict().items()):
+        digest.update(repr(name).encode() + b"\0")
+        digest.update(_tensor_bytes(value) if isinstance(value, torch.Tensor) else repr(value).encode())
+        digest.update(b"\0")
     return digest.hexdigest()
 
 
