@@ -54,7 +54,7 @@ class CompiledSpecCommand(click.Group):
 
 
 def hisparse_options(command):
-    """--top-k-tokens, --hot-rows and --cold-dtype, shared by generate and bench."""
+    """--top-k-tokens, --hot-rows, --cold-dtype and --cold-pool, shared by generate and bench."""
     options = [
         click.option("--top-k-tokens", "top_k_tokens", type=int, default=None, metavar="N",
                      help="With --hisparse: past tokens each query attends to.  [default: 64]"),
@@ -63,6 +63,10 @@ def hisparse_options(command):
         click.option("--cold-dtype", "cold_dtype", type=click.Choice(("float32", "bfloat16", "float16")),
                      default=None, help="With --hisparse: dtype of the cold pool (the full KV history); bfloat16 "
                                         "halves its memory, rows are rounded when backed up.  [default: the model's]"),
+        click.option("--cold-pool", "cold_pool", type=click.Choice(("auto", "host", "device")), default=None,
+                     help="With --hisparse, on CUDA: where the cold pool lives. host: pinned host memory the GPU "
+                          "reads in place (the history is bounded by host memory); device: GPU memory; auto: "
+                          "host. On CPU all are host memory.  [default: auto]"),
     ]
     for option in reversed(options):
         command = option(command)
@@ -128,7 +132,8 @@ def main():
                    "through a small LRU hot buffer backed by the full KV history.")
 @hisparse_options
 def generate(prompts, prompt_ids, model, num_speculative_tokens, temperature, top_p, top_k, max_tokens, seed,
-             graph_mode, max_batch_size, max_seq_len, stop, ignore_eos, as_json, hisparse, top_k_tokens, hot_rows, cold_dtype):
+             graph_mode, max_batch_size, max_seq_len, stop, ignore_eos, as_json, hisparse, top_k_tokens, hot_rows,
+             cold_dtype, cold_pool):
     """Generate text for each PROMPT with MTP speculative decoding.
 
     Each step the MTP module(s) draft k tokens; the main model verifies them in one pass and keeps
@@ -158,7 +163,7 @@ def generate(prompts, prompt_ids, model, num_speculative_tokens, temperature, to
     from compiled_spec import cli_format
 
     try:
-        sparse = hisparse_config(hisparse, top_k_tokens, hot_rows, cold_dtype)
+        sparse = hisparse_config(hisparse, top_k_tokens, hot_rows, cold_dtype, cold_pool)
         params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens,
                                 stop=[unescape(text) for text in stop] or None, ignore_eos=ignore_eos)
         llm = LLM(model, num_speculative_tokens=num_speculative_tokens, graph_mode=graph_mode,
@@ -254,7 +259,8 @@ ANCHORS = ("hf-eager", "hf-static", "hf-mtp")  # mirrors benchmarks.anchors.ANCH
 @click.option("--hisparse", is_flag=True, help="Every engine cell decodes with HiSparse sparse attention.")
 @hisparse_options
 def bench(model, graph_modes, ks, batch_sizes, anchors, out, max_tokens, prompts_file, max_seq_len, buckets,
-          repeats, threads, cache_dir, cell_timeout, hisparse, top_k_tokens, hot_rows, cold_dtype):
+          repeats, threads, cache_dir, cell_timeout, hisparse, top_k_tokens, hot_rows, cold_dtype,
+          cold_pool):
     """Measure tokens/s, step latency, acceptance per draft position, warm-up time and peak memory for
     every graph mode x k x batch size, beside transformers on the same model and prompts (greedy).
 
@@ -280,7 +286,7 @@ def bench(model, graph_modes, ks, batch_sizes, anchors, out, max_tokens, prompts
     from compiled_spec import CompiledSpecError
 
     try:
-        sparse = hisparse_config(hisparse, top_k_tokens, hot_rows, cold_dtype)
+        sparse = hisparse_config(hisparse, top_k_tokens, hot_rows, cold_dtype, cold_pool)
         if sparse is not None:
             sparse.validate(max(ks))  # before any cell runs
     except CompiledSpecError as error:
@@ -306,17 +312,19 @@ def bench(model, graph_modes, ks, batch_sizes, anchors, out, max_tokens, prompts
         click.get_current_context().exit(1)
 
 
-def hisparse_config(hisparse: bool, top_k_tokens: int | None, hot_rows: int | None, cold_dtype: str | None):
+def hisparse_config(hisparse: bool, top_k_tokens: int | None, hot_rows: int | None, cold_dtype: str | None,
+                    cold_pool: str | None):
     """The HiSparseConfig the --hisparse options ask for (None without --hisparse); LLM validates it."""
     if not hisparse:
-        if top_k_tokens is not None or hot_rows is not None or cold_dtype is not None:
-            raise click.UsageError("--top-k-tokens, --hot-rows and --cold-dtype need --hisparse")
+        if any(value is not None for value in (top_k_tokens, hot_rows, cold_dtype, cold_pool)):
+            raise click.UsageError("--top-k-tokens, --hot-rows, --cold-dtype and --cold-pool need --hisparse")
         return None
     from compiled_spec import HiSparseConfig
 
     defaults = HiSparseConfig()
     return HiSparseConfig(top_k_tokens=defaults.top_k_tokens if top_k_tokens is None else top_k_tokens,
-                          hot_rows=defaults.hot_rows if hot_rows is None else hot_rows, cold_dtype=cold_dtype)
+                          hot_rows=defaults.hot_rows if hot_rows is None else hot_rows, cold_dtype=cold_dtype,
+                          cold_pool=defaults.cold_pool if cold_pool is None else cold_pool)
 
 
 def spelled_out(ctx: click.Context) -> list[str]:

@@ -7,6 +7,9 @@ after warm-up.
 
 from __future__ import annotations
 
+import ctypes
+import dataclasses
+
 import pytest
 import torch
 
@@ -56,14 +59,12 @@ def test_the_hisparse_triton_kernel_equals_the_cpu_op():
         assert all(torch.equal(g.cpu(), c) for g, c in zip(gpu[1:], cpu[1:]))
 
 
-@pytest.mark.parametrize("cold_dtype", [None, "bfloat16"])
-def test_hisparse_full_mode_replay_with_a_saturated_hot_buffer_equals_eager(tiny_checkpoint, cold_dtype):
-    import dataclasses
-
+@pytest.mark.parametrize("cold_dtype, cold_pool", [(None, "auto"), ("bfloat16", "auto"), (None, "device")])
+def test_hisparse_full_mode_replay_with_a_saturated_hot_buffer_equals_eager(tiny_checkpoint, cold_dtype, cold_pool):
     from test_hisparse import MIRROR_ENGINE, PROMPT_LENGTHS, SATURATED, prompts_for
 
     path = tiny_checkpoint("predictive").path
-    config = dataclasses.replace(SATURATED, cold_dtype=cold_dtype)
+    config = dataclasses.replace(SATURATED, cold_dtype=cold_dtype, cold_pool=cold_pool)
     prompts = prompts_for(PROMPT_LENGTHS)
     eager = run(LLM(path, graph_mode="eager", device="cuda", hisparse=config, **MIRROR_ENGINE), prompts)
     with torch._inductor.config.patch({"triton.cudagraph_or_error": True}):
@@ -71,3 +72,32 @@ def test_hisparse_full_mode_replay_with_a_saturated_hot_buffer_equals_eager(tiny
         with torch.compiler.set_stance("fail_on_recompile"):
             replayed = run(llm, prompts)
     assert replayed == eager
+
+
+def test_the_hisparse_cold_pool_is_pinned_host_memory_the_gpu_writes_in_place(tiny_checkpoint):
+    from test_hisparse import MIRROR_ENGINE, PROMPT_LENGTHS, SATURATED, prompts_for
+
+    path = tiny_checkpoint("predictive").path
+
+    def engine(cold_pool):
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        config = dataclasses.replace(SATURATED, cold_pool=cold_pool)
+        llm = LLM(path, graph_mode="eager", device="cuda", hisparse=config, warm_up=False, **MIRROR_ENGINE)
+        return llm, torch.cuda.memory_allocated() - before
+
+    on_device, device_bytes = engine("device")
+    on_host, host_bytes = engine("auto")
+    state = on_host.engine.state
+    pool = state.main_keys + state.main_values + state.draft_keys + state.draft_values
+    assert all(cache.is_cuda for cache in pool)
+    assert device_bytes - host_bytes >= sum(cache.numel() * cache.element_size() for cache in pool)
+
+    prompts = prompts_for(PROMPT_LENGTHS)
+    assert run(on_host, prompts) == run(on_device, prompts)
+    torch.cuda.synchronize()
+    for cache in (state.main_keys[0], state.draft_values[-1]):  # the GPU's writes, read through the host address
+        size = cache.numel() * cache.element_size()
+        host = torch.frombuffer((ctypes.c_uint8 * size).from_address(cache.data_ptr()), dtype=torch.uint8)
+        assert torch.equal(host.view(cache.dtype).view(cache.shape), cache.cpu())
+        assert cache.abs().sum() > 0

@@ -59,12 +59,21 @@ def fused_op_calls(function):
     (HiSparseConfig(hot_rows=0), "hot_rows=0 is out of range"),
     (HiSparseConfig(scorer="magic"), "scorer='magic' is not known"),
     (HiSparseConfig(cold_dtype="int8"), "cold_dtype='int8' is not supported; choose one of: float32, bfloat16"),
+    (HiSparseConfig(cold_pool="disk"), "cold_pool='disk' is not known; choose one of: auto, host, device"),
     (HiSparseConfig(scorer="indexer"), "scorer='indexer' needs lightning-indexer weights"),
     ({"top_k_tokens": 4}, "must be None or a HiSparseConfig"),
 ])
 def test_bad_options_are_clear_errors(tiny_checkpoint, config, named):
     with pytest.raises(CompiledSpecError, match=named.replace("(", r"\(").replace(")", r"\)")):
         LLM(tiny_checkpoint("predictive").path, hisparse=config, warm_up=False, **MIRROR_ENGINE)
+
+
+@pytest.mark.parametrize("cold_pool, device, pinned", [
+    ("auto", "cuda", True), ("host", "cuda", True), ("device", "cuda", False),
+    ("auto", "cpu", False), ("host", "cpu", False), ("device", "cpu", False),
+])
+def test_the_cold_pool_is_pinned_in_host_memory_on_cuda_unless_asked_for_device_memory(cold_pool, device, pinned):
+    assert HiSparseConfig(cold_pool=cold_pool).cold_pool_pinned(torch.device(device)) is pinned
 
 
 def test_off_by_default_adds_no_state(tiny_checkpoint):
@@ -372,7 +381,7 @@ def test_cli_generates_with_hisparse(tiny_checkpoint):
     common = ["--prompt-ids", "2,3,4,5,6,7", "--model", model, "-k", "2", "--max-tokens", "6", "--max-seq-len", "64",
               "--ignore-eos", "--json"]
     dense = generate_command(*common)
-    sparse = generate_command(*common, "--hisparse", "--top-k-tokens", "64", "--hot-rows", "68")
+    sparse = generate_command(*common, "--hisparse", "--top-k-tokens", "64", "--hot-rows", "68", "--cold-pool", "host")
     assert sparse.exit_code == 0, sparse.output
     assert sparse.stdout.splitlines()[0].split('"stats"')[0] == dense.stdout.splitlines()[0].split('"stats"')[0]
     compact = generate_command(*common, "--hisparse", "--top-k-tokens", "8", "--hot-rows", "12", "--cold-dtype", "bfloat16")
@@ -383,8 +392,10 @@ def test_cli_generates_with_hisparse(tiny_checkpoint):
 @pytest.mark.parametrize("args, named", [
     (["--hisparse", "--top-k-tokens", "0"], "top_k_tokens=0 is out of range"),
     (["--hisparse", "--top-k-tokens", "8", "--hot-rows", "4"], "hot_rows=4 is smaller than top_k_tokens=8"),
-    (["--top-k-tokens", "8"], "--top-k-tokens, --hot-rows and --cold-dtype need --hisparse"),
-    (["--cold-dtype", "bfloat16"], "--top-k-tokens, --hot-rows and --cold-dtype need --hisparse"),
+    (["--top-k-tokens", "8"], "--top-k-tokens, --hot-rows, --cold-dtype and --cold-pool need --hisparse"),
+    (["--cold-dtype", "bfloat16"], "--top-k-tokens, --hot-rows, --cold-dtype and --cold-pool need --hisparse"),
+    (["--cold-pool", "host"], "--top-k-tokens, --hot-rows, --cold-dtype and --cold-pool need --hisparse"),
+    (["--hisparse", "--cold-pool", "disk"], "'disk' is not one of 'auto', 'host', 'device'"),
     (["--hisparse", "--cold-dtype", "int8"], "'int8' is not one of 'float32', 'bfloat16', 'float16'"),
 ])
 def test_cli_bad_hisparse_options_are_one_error_line(tiny_checkpoint, args, named):

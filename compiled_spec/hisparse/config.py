@@ -10,6 +10,7 @@ from ..errors import CompiledSpecError
 
 SCORERS = ("auto", "indexer", "keys")
 COLD_DTYPES = ("float32", "bfloat16", "float16")
+COLD_POOLS = ("auto", "host", "device")
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,7 @@ class HiSparseConfig:
     hot_rows: int = 128
     scorer: str = "auto"
     cold_dtype: str | None = None
+    cold_pool: str = "auto"
     draft_mirror: bool = True
 
     def validate(self, num_speculative_tokens: int) -> None:
@@ -57,6 +59,12 @@ class HiSparseConfig:
             raise CompiledSpecError(
                 f"cold_dtype={self.cold_dtype!r} is not supported; choose one of: {', '.join(COLD_DTYPES)}"
             )
+        if self.cold_pool not in COLD_POOLS:
+            raise CompiledSpecError(f"cold_pool={self.cold_pool!r} is not known; choose one of: {', '.join(COLD_POOLS)}")
+
+    def cold_pool_pinned(self, device: torch.device) -> bool:
+        """Whether the cold pool goes in pinned host memory (CUDA only: on CPU it is host memory anyway)."""
+        return torch.device(device).type == "cuda" and self.cold_pool != "device"
 
     def cold_torch_dtype(self, engine_dtype: torch.dtype) -> torch.dtype:
         return engine_dtype if self.cold_dtype is None else getattr(torch, self.cold_dtype)

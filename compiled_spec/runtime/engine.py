@@ -49,7 +49,8 @@ class Engine:
         self.state = DecodeState.allocate(
             model.config, config.max_batch_size, config.max_seq_len, self.k, dtype, device,
             **(dict(hot_rows=hisparse.hot_rows, index_dims=index_key_dims(model, self.k),
-                   cold_dtype=hisparse.cold_torch_dtype(dtype)) if hisparse else {}),
+                   cold_dtype=hisparse.cold_torch_dtype(dtype), pinned_cold_pool=hisparse.cold_pool_pinned(device))
+               if hisparse else {}),
         )
         cos, sin = rotary_tables(model.config, self.state.cache_capacity)
         self.constants = StepConstants(

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, fields
 import torch
 
 from ..config import ModelConfig
+from ..hisparse.host_pool import pinned_host_caches
 from ..hisparse.tiers import allocate_tiers
 
 
@@ -102,9 +103,11 @@ class DecodeState:
         hot_rows: int | None = None,
         index_dims: list[int] | tuple[int, ...] = (),
         cold_dtype: torch.dtype | None = None,
+        pinned_cold_pool: bool = False,
     ) -> "DecodeState":
         """hot_rows and index_dims (one per main layer, then per draft depth) turn on the HiSparse tiers; the
-        KV caches are then their cold pool, in cold_dtype (default: dtype)."""
+        KV caches are then their cold pool, in cold_dtype (default: dtype), and with pinned_cold_pool (CUDA) in
+        pinned host memory."""
         k = num_speculative_tokens
         # Rows up to position max_seq_len - 1 + k are written by a step; one more is the trash position.
         capacity = max_seq_len + k + 1
@@ -114,7 +117,10 @@ class DecodeState:
             return torch.zeros(*shape, dtype=dtype, device=device)
 
         def caches(count):
-            return [zeros(*cache_shape, dtype=cold_dtype if hot_rows and cold_dtype else dtype) for _ in range(count)]
+            cache_dtype = cold_dtype if hot_rows and cold_dtype else dtype
+            if hot_rows and pinned_cold_pool:
+                return pinned_host_caches(cache_shape, cache_dtype, count, device)
+            return [zeros(*cache_shape, dtype=cache_dtype) for _ in range(count)]
 
         return cls(
             pending_tokens=zeros(num_slots),
