@@ -31,12 +31,7 @@ class AuditPass:
     name = "audit"
 
     def __call__(self, graph: torch.fx.Graph, context) -> list[str]:
-        problems = []
-        for node in graph.nodes:
-            if node.op == "call_function" and _is_host_sync(node):
-                problems.append(f"host sync: {node.format_node()}")
-            elif node.op == "call_function" and free_unbacked_symbols(node.meta.get("val")):
-                problems.append(f"data-dependent shape: {node.format_node()}")
+        problems = self.check_branch(graph)
         returned = _tensor_outputs(graph)
         if returned:
             problems.append(f"returns tensors to Python (state for the caller to apply): {', '.join(returned)}")
@@ -44,4 +39,15 @@ class AuditPass:
         missing = [name for name in context.state_writes if name not in inputs]
         if missing:
             problems.append(f"decode state that is not a graph input (baked in as a Python value?): {', '.join(missing)}")
+        return problems
+
+    def check_branch(self, graph: torch.fx.Graph) -> list[str]:
+        """What can go wrong inside any graph, a control-flow branch's included (which returns to its enclosing
+        graph, not to Python, and reaches the decode state only through it)."""
+        problems = []
+        for node in graph.nodes:
+            if node.op == "call_function" and _is_host_sync(node):
+                problems.append(f"host sync: {node.format_node()}")
+            elif node.op == "call_function" and free_unbacked_symbols(node.meta.get("val")):
+                problems.append(f"data-dependent shape: {node.format_node()}")
         return problems

@@ -42,3 +42,10 @@ def state_field(placeholder: torch.fx.Node) -> str | None:
         return None
     match = _STATE_FIELD.search(names[index])
     return match.group(1) if match else None
+
+
+def is_branch_graph(graph: torch.fx.Graph) -> bool:
+    """A control-flow op's branch (torch.cond's true/false graphs). Inductor runs the post-grad passes on each
+    branch first, as a graph of its own; unlike a compiled graph's, a branch's inputs carry no AOT descriptor."""
+    placeholders = graph.find_nodes(op="placeholder")
+    return bool(placeholders) and all("desc" not in node.meta for node in placeholders)

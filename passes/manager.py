@@ -15,6 +15,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from .audit import AuditPass
 from .errors import GraphAuditError
+from .graph_inputs import is_branch_graph
 from .state_mutation import StateMutationPass
 
 
@@ -37,12 +38,17 @@ class SpecPassManager(CustomGraphPass):
 
     def __call__(self, graph: torch.fx.Graph) -> None:
         problems = []
+        branch = is_branch_graph(graph)
         for graph_pass in self.passes:
-            problems += graph_pass(graph, self.context) or []
+            if not branch:
+                problems += graph_pass(graph, self.context) or []
+            elif hasattr(graph_pass, "check_branch"):
+                problems += graph_pass.check_branch(graph)
         if problems:
-            raise GraphAuditError(f"{self.context.graph_name}: " + "; ".join(problems))
+            raise GraphAuditError(f"{self.context.graph_name}{' (a branch)' if branch else ''}: " + "; ".join(problems))
         graph.lint()
-        self.graphs_seen.append(self.context.graph_name)
+        if not branch:
+            self.graphs_seen.append(self.context.graph_name)
 
     def uuid(self) -> str:
         digest = hashlib.sha256()

@@ -107,8 +107,15 @@ class StepRunner:
 
     def packages(self) -> tuple[list[str], list[str]]:
         """(compiled, loaded): the ahead-of-time packages (full on CPU) this runner has compiled and loaded."""
-        packaged = [f for f in (self._step, self._prefill) if isinstance(f, AheadOfTimeCompiled)]
+        packaged = self._packaged()
         return [name for f in packaged for name in f.compiled], [name for f in packaged for name in f.loaded]
+
+    def export_traces(self) -> int:
+        """Graphs Dynamo traced while this runner exported its packages (torch.cond's branches)."""
+        return sum(f.export_traces for f in self._packaged())
+
+    def _packaged(self) -> list[AheadOfTimeCompiled]:
+        return [f for f in (self._step, self._prefill) if isinstance(f, AheadOfTimeCompiled)]
 
     @torch.inference_mode()
     def step(self, batch_size: int):
@@ -120,6 +127,7 @@ class StepRunner:
 
 
 def graphs_made(runner: StepRunner) -> int:
-    """Graphs Dynamo has traced in this process, plus the packages (full on CPU) `runner` compiled or loaded."""
+    """Graphs Dynamo has traced in this process (less those traced inside an export), plus the packages (full
+    on CPU) `runner` compiled or loaded."""
     compiled, loaded = runner.packages()
-    return torch._dynamo.utils.counters["stats"]["unique_graphs"] + len(compiled) + len(loaded)
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"] - runner.export_traces() + len(compiled) + len(loaded)

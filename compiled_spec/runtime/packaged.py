@@ -21,6 +21,7 @@ import os
 from pathlib import Path
 
 import torch
+from torch._dynamo.utils import counters
 from torch._inductor.runtime.cache_dir_utils import cache_dir
 from torch.export.graph_signature import InputKind
 
@@ -59,6 +60,7 @@ class AheadOfTimeCompiled:
         self.packages: dict[tuple, tuple] = {}  # bucket -> (package, state, state.tensors())
         self.compiled: list[str] = []  # package files this object compiled; the rest it loaded
         self.loaded: list[str] = []
+        self.export_traces = 0  # graphs Dynamo traced for export: the branches of torch.cond
 
     def __call__(self, model, state: DecodeState, constants, *args):
         bucket = tuple(tuple(arg.shape) if isinstance(arg, torch.Tensor) else arg for arg in args)
@@ -83,8 +85,10 @@ class AheadOfTimeCompiled:
     def _compile(self, program: BucketProgram, state: DecodeState, args, path: Path) -> None:
         state_tensors = state.tensors()
         inputs = tuple(state_tensors) + tuple(arg for arg in args if isinstance(arg, torch.Tensor))
+        traced_before = counters["stats"]["unique_graphs"]
         with torch.no_grad():
             exported = torch.export.export(program, inputs, strict=False)
+        self.export_traces += counters["stats"]["unique_graphs"] - traced_before
         # Lifted weights come first among the compiled graph's inputs (freezing then folds them away).
         weights = [spec.target for spec in exported.graph_signature.input_specs
                    if spec.kind in (InputKind.PARAMETER, InputKind.BUFFER)]

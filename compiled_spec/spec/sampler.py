@@ -17,23 +17,45 @@ def _per_row(value: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 
 
 def sampling_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor):
-    """logits [B, ..., V] and per-row parameters [B] -> probabilities [B, ..., V] (float32)."""
+    """logits [B, ..., V] and per-row parameters [B] -> probabilities [B, ..., V] (float32).
+
+    Top-k / top-p need the vocabulary sorted, the costliest op of a step on CPU, so on CPU the sort runs only
+    when a sampled row truncates (a branch inside the graph, torch.cond); on a GPU a branch on tensor data
+    would be a host sync, so the sort always runs there."""
     logits = logits.float()
     vocab = logits.shape[-1]
-    greedy = _per_row(temperature == 0, logits)
+    greedy = temperature == 0
     scaled = logits / _per_row(torch.where(temperature > 0, temperature, 1.0), logits)
+    operands = (scaled, _per_row(top_k, logits), _per_row(top_p, logits))
+    truncates = (~greedy & (((top_k > 0) & (top_k < vocab)) | (top_p < 1))).any()
+    if logits.device.type != "cpu":
+        probs = _truncated_probs(*operands)
+    elif torch.compiler.is_compiling():
+        probs = torch.cond(truncates, _truncated_probs, _untruncated_probs, operands)
+    else:
+        probs = _truncated_probs(*operands) if truncates else _untruncated_probs(*operands)
+    one_hot = F.one_hot(logits.argmax(-1), vocab).float()
+    return torch.where(_per_row(greedy, logits), one_hot, probs)
+
+
+def _truncated_probs(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """softmax over the tokens top_k (0: all) and then top_p keep; top_k, top_p broadcast against scaled."""
+    vocab = scaled.shape[-1]
     sorted_logits = scaled.sort(dim=-1, descending=True).values
-    keep_top = _per_row(torch.where(top_k > 0, top_k.clamp(max=vocab), vocab), logits)
-    ranks = torch.arange(vocab, device=logits.device)
+    keep_top = torch.where(top_k > 0, top_k.clamp(max=vocab), vocab)
+    ranks = torch.arange(vocab, device=scaled.device)
     sorted_logits = sorted_logits.masked_fill(ranks >= keep_top, float("-inf"))
     sorted_probs = sorted_logits.softmax(-1)
     mass_before = sorted_probs.cumsum(-1) - sorted_probs
-    kept = ((mass_before < _per_row(top_p, logits)) & (ranks < keep_top)).sum(-1, keepdim=True).clamp(min=1)
-    kept = torch.where(_per_row(top_p, kept) >= 1, keep_top.expand_as(kept), kept)
+    kept = ((mass_before < top_p) & (ranks < keep_top)).sum(-1, keepdim=True).clamp(min=1)
+    kept = torch.where(top_p >= 1, keep_top.expand_as(kept), kept)
     threshold = sorted_logits.gather(-1, kept - 1)
-    probs = scaled.masked_fill(scaled < threshold, float("-inf")).softmax(-1)
-    one_hot = F.one_hot(logits.argmax(-1), vocab).float()
-    return torch.where(greedy, one_hot, probs)
+    return scaled.masked_fill(scaled < threshold, float("-inf")).softmax(-1)
+
+
+def _untruncated_probs(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """What _truncated_probs gives when no row truncates."""
+    return scaled.softmax(-1)
 
 
 def race_sample(probs: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
