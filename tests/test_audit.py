@@ -87,6 +87,34 @@ def test_audit_rejects(case, expected):
     assert expected in audit_failure(info.value)
 
 
+def test_a_cond_branch_is_audited_as_a_branch_and_the_graph_around_it_as_the_step():
+    """Inductor runs the passes on each torch.cond branch first, as a graph of its own: a branch returns to its
+    graph, not to Python, so only what can go wrong inside any graph applies to it."""
+    def doubled(tokens):
+        return tokens * 2
+
+    def counted(tokens):
+        return tokens + tokens.nonzero().sum()
+
+    def branching(branch):
+        def step(state):
+            state.lengths.add_(torch.cond(state.tokens.sum() > 3, branch, lambda tokens: tokens - 1, (state.tokens,)))
+        return step
+
+    compiled, manager = compile_toy(branching(doubled))
+    state = toy_state()
+    with torch._inductor.config.patch(fx_graph_cache=False):
+        compiled(state)
+    assert state.lengths.tolist() == [0, 2, 4, 6]
+    assert manager.graphs_seen == ["toy"] and manager.context.last_written == ["lengths"]
+
+    compiled, _ = compile_toy(branching(counted))
+    with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True), \
+            torch._inductor.config.patch(fx_graph_cache=False), pytest.raises(Exception) as info:
+        compiled(toy_state())
+    assert "toy (a branch): host sync" in audit_failure(info.value)
+
+
 def test_uuid_covers_the_pass_configuration():
     def uuid(writes):
         return SpecPassManager(default_passes(), PassContext("g", writes)).uuid()

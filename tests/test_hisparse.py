@@ -76,6 +76,13 @@ def test_the_cold_pool_is_pinned_in_host_memory_on_cuda_unless_asked_for_device_
     assert HiSparseConfig(cold_pool=cold_pool).cold_pool_pinned(torch.device(device)) is pinned
 
 
+def test_a_pinned_cold_pool_is_refused_off_cuda():
+    from compiled_spec.hisparse.host_pool import pinned_host_caches
+
+    with pytest.raises(CompiledSpecError, match="a cold pool in pinned host memory needs a CUDA device, not cpu"):
+        pinned_host_caches((2, 3), torch.float32, 2, torch.device("cpu"))
+
+
 def test_off_by_default_adds_no_state(tiny_checkpoint):
     llm = LLM(tiny_checkpoint("predictive").path, warm_up=False, **MIRROR_ENGINE)
     assert llm.engine.state.hot_keys == [] and llm.engine.state.index_keys == []

@@ -16,6 +16,7 @@ import torch
 
 from ..errors import CompiledSpecError
 
+_USE_DEVICE = "use HiSparseConfig(cold_pool='device') (--cold-pool device) on this machine"
 ALIGNMENT = 256  # bytes; every cache starts aligned, as inductor's and Triton's vector loads assume
 
 
@@ -47,12 +48,12 @@ def pinned_host_caches(shape: tuple[int, ...], dtype: torch.dtype, count: int, d
     caches = []
     for index in range(count):
         region = _PinnedRegion(host, index * stride, nbytes)
-        raw = torch.as_tensor(region, device=device)
+        try:
+            raw = torch.as_tensor(region, device=device)
+        except RuntimeError as error:
+            raise CompiledSpecError(f"the GPU cannot address the pinned cold pool ({error}); {_USE_DEVICE}") from None
         if raw.data_ptr() != region.address:
-            raise CompiledSpecError(
-                "torch copied the pinned cold pool to the GPU instead of addressing it in place; "
-                "use HiSparseConfig(cold_pool='device') (--cold-pool device) on this machine"
-            )
+            raise CompiledSpecError(f"torch copied the pinned cold pool to the GPU instead of addressing it; {_USE_DEVICE}")
         caches.append(raw.view(dtype).view(shape))
     return caches
 
