@@ -56,4 +56,3 @@ def pinned_host_caches(shape: tuple[int, ...], dtype: torch.dtype, count: int, d
             raise CompiledSpecError(f"torch copied the pinned cold pool to the GPU instead of addressing it; {_USE_DEVICE}")
         caches.append(raw.view(dtype).view(shape))
     return caches
-

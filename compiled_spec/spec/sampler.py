@@ -27,13 +27,14 @@ def sampling_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch
     greedy = temperature == 0
     scaled = logits / _per_row(torch.where(temperature > 0, temperature, 1.0), logits)
     operands = (scaled, _per_row(top_k, logits), _per_row(top_p, logits))
-    truncates = (~greedy & (((top_k > 0) & (top_k < vocab)) | (top_p < 1))).any()
     if logits.device.type != "cpu":
         probs = _truncated_probs(*operands)
-    elif torch.compiler.is_compiling():
-        probs = torch.cond(truncates, _truncated_probs, _untruncated_probs, operands)
     else:
-        probs = _truncated_probs(*operands) if truncates else _untruncated_probs(*operands)
+        truncates = (~greedy & (((top_k > 0) & (top_k < vocab)) | (top_p < 1))).any()
+        if torch.compiler.is_compiling():
+            probs = torch.cond(truncates, _truncated_probs, _untruncated_probs, operands)
+        else:
+            probs = _truncated_probs(*operands) if truncates else _untruncated_probs(*operands)
     one_hot = F.one_hot(logits.argmax(-1), vocab).float()
     return torch.where(_per_row(greedy, logits), one_hot, probs)
 
