@@ -57,19 +57,20 @@ class AheadOfTimeCompiled:
         """model_key: model_digest(model, constants) of the model and constants every call passes."""
         self.function, self.manager, self.options, self.model_key = function, manager, options, model_key
         self.folder = Path(cache_dir()) / PACKAGE_FOLDER
-        self.packages: dict[tuple, tuple] = {}  # bucket -> (package, state, state.tensors())
+        self.packages: dict[tuple, object] = {}
         self.compiled: list[str] = []  # package files this object compiled; the rest it loaded
         self.loaded: list[str] = []
         self.export_traces = 0  # graphs Dynamo traced for export: the branches of torch.cond
+        self._state, self._state_tensors = None, []  # the last state called with, flattened once
 
     def __call__(self, model, state: DecodeState, constants, *args):
         bucket = tuple(tuple(arg.shape) if isinstance(arg, torch.Tensor) else arg for arg in args)
-        entry = self.packages.get(bucket)
-        if entry is None or entry[1] is not state:
-            package = entry[0] if entry else self._package(model, state, constants, args, bucket)
-            entry = self.packages[bucket] = (package, state, state.tensors())
-        package, _, state_tensors = entry
-        return package(*state_tensors, *(arg for arg in args if isinstance(arg, torch.Tensor)))
+        package = self.packages.get(bucket)
+        if package is None:
+            package = self.packages[bucket] = self._package(model, state, constants, args, bucket)
+        if state is not self._state:  # the runner passes the same captured state on every call
+            self._state, self._state_tensors = state, state.tensors()
+        return package(*self._state_tensors, *(arg for arg in args if isinstance(arg, torch.Tensor)))
 
     def _package(self, model, state, constants, args, bucket):
         key = package_key(self.function, self.manager.uuid(), self.options, self.model_key, state, args)
