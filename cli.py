@@ -73,6 +73,48 @@ def hisparse_options(command):
     return command
 
 
+def engine_options(command):
+    """The options that choose the model and build the engine, shared by generate and serve (see make_llm)."""
+    options = [
+        click.option("-m", "--model", type=click.Path(), default=None,
+                     help="Checkpoint directory (config.json + *.safetensors). Default: the embedded Shakespeare model."),
+        click.option("-k", "--num-speculative-tokens", "num_speculative_tokens", type=int, default=3, show_default=True,
+                     help=f"Tokens drafted per step by the MTP module(s), 0..{MAX_SPECULATIVE_TOKENS}; "
+                          "0 turns speculation off."),
+        click.option("--seed", type=click.IntRange(0, 2**32 - 1), default=0, show_default=True,
+                     help="Base seed for sampling; each prompt gets its own seed derived from it."),
+        click.option("--graph-mode", "graph_mode", type=click.Choice(GRAPH_MODES), default=None,
+                     help="eager: no compilation; compile: torch.compile; piecewise: compiled pieces, attention outside; "
+                          "full: the whole speculative step as one graph (max-autotune; cudagraphs on CUDA; on CPU "
+                          "compiled once per model and configuration, minutes, and saved under TORCHINDUCTOR_CACHE_DIR, "
+                          "later runs load it in about a second). Default: full on CUDA, eager on CPU."),
+        click.option("--max-batch-size", "max_batch_size", type=int, default=8, show_default=True,
+                     help="Prompts decoded together; more prompts wait for a free slot."),
+        click.option("--max-seq-len", "max_seq_len", type=int, default=512, show_default=True,
+                     help="Prompt plus generated tokens, per request."),
+        click.option("--hisparse", is_flag=True,
+                     help="Sparse attention for decode steps: each query reads its top tokens (by an indexer score) "
+                          "through a small LRU hot buffer backed by the full KV history."),
+    ]
+    command = hisparse_options(command)
+    for option in reversed(options):
+        command = option(command)
+    return command
+
+
+def make_llm(model, num_speculative_tokens, graph_mode, max_batch_size, max_seq_len, seed, hisparse, top_k_tokens,
+             hot_rows, cold_dtype, cold_pool):
+    """The LLM engine_options ask for; bad input becomes an InputError (one `error:` line, exit 2)."""
+    from compiled_spec import LLM, CompiledSpecError
+
+    try:
+        sparse = hisparse_config(hisparse, top_k_tokens, hot_rows, cold_dtype, cold_pool)
+        return LLM(model, num_speculative_tokens=num_speculative_tokens, graph_mode=graph_mode,
+                   max_batch_size=max_batch_size, max_seq_len=max_seq_len, seed=seed, hisparse=sparse)
+    except CompiledSpecError as error:
+        raise InputError(str(error)) from None
+
+
 @click.group(cls=CompiledSpecCommand, context_settings=dict(help_option_names=["-h", "--help"], max_content_width=100))
 @click.version_option(package_name="compiled-spec")
 def main():
@@ -100,37 +142,18 @@ def main():
 @click.option("--prompt-ids", "prompt_ids", multiple=True, metavar="IDS",
               help="A prompt as comma-separated token ids, e.g. 2,17,5 (repeatable); for checkpoints without "
                    "a tokenizer.")
-@click.option("-m", "--model", type=click.Path(), default=None,
-              help="Checkpoint directory (config.json + *.safetensors). Default: the embedded Shakespeare model.")
-@click.option("-k", "--num-speculative-tokens", "num_speculative_tokens", type=int, default=3, show_default=True,
-              help=f"Tokens drafted per step by the MTP module(s), 0..{MAX_SPECULATIVE_TOKENS}; "
-                   "0 turns speculation off.")
 @click.option("--temperature", type=float, default=0.0, show_default=True, help="0 is greedy.")
 @click.option("--top-p", "top_p", type=float, default=1.0, show_default=True, help="Nucleus sampling, in (0, 1].")
 @click.option("--top-k", "top_k", type=int, default=0, show_default=True,
               help="Keep the k most likely tokens; 0 is off.")
 @click.option("--max-tokens", "max_tokens", type=int, default=64, show_default=True,
               help="New tokens per prompt, at most.")
-@click.option("--seed", type=click.IntRange(0, 2**32 - 1), default=0, show_default=True,
-              help="Base seed for sampling; each prompt gets its own seed derived from it.")
-@click.option("--graph-mode", "graph_mode", type=click.Choice(GRAPH_MODES), default=None,
-              help="eager: no compilation; compile: torch.compile; piecewise: compiled pieces, attention outside; "
-                   "full: the whole speculative step as one graph (max-autotune; cudagraphs on CUDA; on CPU "
-                   "compiled once per model and configuration, minutes, and saved under TORCHINDUCTOR_CACHE_DIR, "
-                   "later runs load it in about a second). Default: full on CUDA, eager on CPU.")
-@click.option("--max-batch-size", "max_batch_size", type=int, default=8, show_default=True,
-              help="Prompts decoded together; more prompts wait for a free slot.")
-@click.option("--max-seq-len", "max_seq_len", type=int, default=512, show_default=True,
-              help="Prompt plus generated tokens, per request.")
 @click.option("--stop", multiple=True, metavar="TEXT",
               help=r"Stop when this text appears (repeatable); it is not printed. \n and \t mean newline and tab.")
 @click.option("--ignore-eos", "ignore_eos", is_flag=True, help="Keep going past the end-of-sequence token.")
+@engine_options
 @click.option("--json", "as_json", is_flag=True,
               help="Print one JSON object per prompt, then one with the aggregate (JSON lines).")
-@click.option("--hisparse", is_flag=True,
-              help="Sparse attention for decode steps: each query reads its top tokens (by an indexer score) "
-                   "through a small LRU hot buffer backed by the full KV history.")
-@hisparse_options
 def generate(prompts, prompt_ids, model, num_speculative_tokens, temperature, top_p, top_k, max_tokens, seed,
              graph_mode, max_batch_size, max_seq_len, stop, ignore_eos, as_json, hisparse, top_k_tokens, hot_rows,
              cold_dtype, cold_pool):
@@ -159,19 +182,18 @@ def generate(prompts, prompt_ids, model, num_speculative_tokens, temperature, to
         if not prompt:
             raise click.UsageError(f"prompt {number} is empty ({prompt!r}); a prompt needs at least one token")
 
-    from compiled_spec import LLM, CompiledSpecError, SamplingParams
+    from compiled_spec import CompiledSpecError, SamplingParams
     from compiled_spec import cli_format
 
     try:
-        sparse = hisparse_config(hisparse, top_k_tokens, hot_rows, cold_dtype, cold_pool)
         params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens,
                                 stop=[unescape(text) for text in stop] or None, ignore_eos=ignore_eos)
-        llm = LLM(model, num_speculative_tokens=num_speculative_tokens, graph_mode=graph_mode,
-                  max_batch_size=max_batch_size, max_seq_len=max_seq_len, seed=seed, hisparse=sparse)
-        if llm.tokenizer is None and any(isinstance(p, str) for p in all_prompts):
-            raise CompiledSpecError(f"model {str(llm.path)!r} has no tokenizer; pass prompts as --prompt-ids 1,2,3")
     except CompiledSpecError as error:
         raise InputError(str(error)) from None
+    llm = make_llm(model, num_speculative_tokens, graph_mode, max_batch_size, max_seq_len, seed, hisparse,
+                   top_k_tokens, hot_rows, cold_dtype, cold_pool)
+    if llm.tokenizer is None and any(isinstance(p, str) for p in all_prompts):
+        raise InputError(f"model {str(llm.path)!r} has no tokenizer; pass prompts as --prompt-ids 1,2,3")
 
     streamer = None
     if len(all_prompts) == 1 and not as_json:
@@ -195,6 +217,68 @@ def generate(prompts, prompt_ids, model, num_speculative_tokens, temperature, to
     click.echo(cli_format.to_json({"aggregate": summary.record()}) if as_json else summary.line())
     if summary.errors:
         click.get_current_context().exit(1)
+
+
+@main.command()
+@engine_options
+@click.option("--host", default="127.0.0.1", show_default=True,
+              help="Address to listen on. The default answers this machine only; 0.0.0.0 exposes the server to "
+                   "the network (set --api-key then).")
+@click.option("--port", type=click.IntRange(1, 65535), default=8000, show_default=True)
+@click.option("--api-key", "api_key", envvar="COMPILED_SPEC_API_KEY", default=None, metavar="KEY",
+              help="Every /v1 route then needs 'Authorization: Bearer KEY'. Also read from "
+                   "$COMPILED_SPEC_API_KEY.")
+@click.option("--served-model-name", "served_model_name", default=None, metavar="NAME",
+              help="The model name clients send. Default: the checkpoint folder's name (compiled-spec-default "
+                   "for the embedded model).")
+@click.option("--max-queue", "max_queue", type=click.IntRange(1), default=64, show_default=True,
+              help="Requests waiting for a slot, at most; past that a request gets 429 with Retry-After.")
+@click.option("--max-request-bytes", "max_request_bytes", type=click.IntRange(1024), default=1 << 20,
+              show_default=True, help="Largest request body accepted (413 past it).")
+@click.option("--shutdown-timeout", "shutdown_timeout", type=click.FloatRange(0), default=30.0, show_default=True,
+              help="On SIGTERM or Ctrl-C: seconds running responses get to finish before they are aborted.")
+@click.option("--step-log", "step_log", type=click.Path(dir_okay=False), default=None,
+              help="Append one JSON line per decode step: the requests in the batch, drafts accepted, waiting.")
+@click.option("--log-level", "log_level", type=click.Choice(("critical", "error", "warning", "info", "debug")),
+              default="info", show_default=True)
+def serve(model, num_speculative_tokens, graph_mode, max_batch_size, max_seq_len, seed, hisparse, top_k_tokens,
+          hot_rows, cold_dtype, cold_pool, host, port, api_key, served_model_name, max_queue, max_request_bytes,
+          shutdown_timeout, step_log, log_level):
+    """Serve the model over HTTP with an OpenAI-compatible API.
+
+    \b
+    Routes:
+      POST /v1/completions, /v1/chat/completions   (stream=true for server-sent events)
+      GET  /v1/models, /health, /metrics           (Prometheus, vLLM's metric names under compiled_spec:)
+
+    Requests that arrive while others decode join the running batch at the next step (up to
+    --max-batch-size); the rest wait in a queue. Each response's usage carries its speculative-decoding
+    statistics (drafts, accepted per position, mean accepted length). Supported sampling parameters:
+    temperature, top_p, top_k, max_tokens, stop, seed, ignore_eos; anything else that would change the
+    output (n > 1, logprobs, penalties, tools) is a 400 naming the field.
+
+    \b
+    Examples:
+      compiled-spec serve
+      compiled-spec serve --model ./my-checkpoint -k 2 --max-batch-size 16 --port 8080
+      curl localhost:8000/v1/completions -H 'Content-Type: application/json' \\
+           -d '{"model": "compiled-spec-default", "prompt": "ROMEO:", "max_tokens": 32}'
+    """
+    from compiled_spec.api import DEFAULT_MODEL
+    from compiled_spec.errors import CompiledSpecError
+    from compiled_spec.server import ServerOptions, serve as run_server
+
+    llm = make_llm(model, num_speculative_tokens, graph_mode, max_batch_size, max_seq_len, seed, hisparse,
+                   top_k_tokens, hot_rows, cold_dtype, cold_pool)
+    name = served_model_name or ("compiled-spec-default" if llm.path == DEFAULT_MODEL else llm.path.resolve().name)
+    options = ServerOptions(model_name=name, api_key=api_key, max_queue=max_queue,
+                            max_request_bytes=max_request_bytes, step_log=step_log)
+    click.echo(f"serving {name!r} (k={llm.num_speculative_tokens}, {llm.config.graph_mode.value}, "
+               f"max batch {max_batch_size}) on http://{host}:{port}/v1", err=True)
+    try:
+        run_server(llm, options, host=host, port=port, shutdown_timeout_s=shutdown_timeout, log_level=log_level)
+    except CompiledSpecError as error:
+        raise InputError(str(error)) from None
 
 
 def int_list(ctx, param, text: str) -> list[int]:

@@ -1,11 +1,13 @@
-"""The Python API: LLM.generate, LLM.logits, LLM.mtp_logits."""
+"""The Python API: LLM.generate, LLM.chat, LLM.logits, LLM.mtp_logits."""
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 import torch
 
+from .chat import chat_prompt
 from .checkpoint import load_model
 from .config import EngineConfig, GraphMode
 from .errors import CompiledSpecError
@@ -62,7 +64,7 @@ class LLM:
         self.engine = Engine(self.model, self.config, self.eos_ids, self.tokenizer)
         if warm_up:
             self.engine.warm_up(show_progress)
-        self._requests_made = 0
+        self._requests_made = itertools.count()  # seeds unseeded requests; next() is atomic across threads
 
     @property
     def num_speculative_tokens(self) -> int:
@@ -71,23 +73,24 @@ class LLM:
     def encode(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
-                raise CompiledSpecError(f"{str(self.path)!r} has no tokenizer; pass prompts as lists of token ids")
+                raise CompiledSpecError(f"{str(self.path)!r} has no tokenizer; pass prompts as lists of token ids",
+                                        param="prompt")
             return self.tokenizer.encode(prompt, add_special_tokens=False)
         if not all(isinstance(t, int) and 0 <= t < self.model_config.vocab_size for t in prompt):
-            raise CompiledSpecError(f"token ids must be integers in 0..{self.model_config.vocab_size - 1}")
+            raise CompiledSpecError(f"token ids must be integers in 0..{self.model_config.vocab_size - 1}", param="prompt")
         return list(prompt)
 
     def _check_prompt(self, prompt) -> list[int]:
         if isinstance(prompt, str) and not prompt:
-            raise CompiledSpecError("empty prompt; a prompt needs at least one token")
+            raise CompiledSpecError("empty prompt; a prompt needs at least one token", param="prompt")
         ids = self.encode(prompt)
         if not ids:
-            raise CompiledSpecError("empty prompt; a prompt needs at least one token")
+            raise CompiledSpecError("empty prompt; a prompt needs at least one token", param="prompt")
         limit = self.config.max_seq_len - 1
         if len(ids) > limit:
             raise CompiledSpecError(
                 f"prompt of {len(ids)} tokens is too long; max_seq_len={self.config.max_seq_len} "
-                f"allows prompts of at most {limit} tokens"
+                f"allows prompts of at most {limit} tokens", param="prompt"
             )
         return ids
 
@@ -114,18 +117,33 @@ class LLM:
             )
         outputs, requests = [], []
         for index, (prompt, params) in enumerate(zip(prompts, params_list)):
-            output = RequestOutput(prompt_token_ids=[], stats=SpecStats(self.num_speculative_tokens))
-            outputs.append(output)
             try:
-                output.prompt_token_ids = self._check_prompt(prompt)
+                request = self.make_request(index, prompt, params)
             except CompiledSpecError as error:
-                output.finish_reason, output.error = "error", str(error)
+                outputs.append(RequestOutput([], finish_reason="error", error=str(error),
+                                             stats=SpecStats(self.num_speculative_tokens)))
                 continue
-            seed = params.seed if params.seed is not None else (self.config.seed * 1_000_003 + self._requests_made)
-            self._requests_made += 1
-            requests.append(Request(index, output.prompt_token_ids, params, seed, output))
+            outputs.append(request.output)
+            requests.append(request)
         self.engine.run(requests, on_tokens)
         return outputs
+
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        on_tokens: TokenCallback | None = None,
+    ) -> list[RequestOutput]:
+        """Answers one conversation ([{"role", "content"}, ...]) or a list of them through the model's chat template."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        return self.generate([chat_prompt(self.tokenizer, c) for c in conversations], sampling_params, on_tokens)
+
+    def make_request(self, index: int, prompt: str | list[int], params: SamplingParams) -> Request:
+        """A checked request for the engine (a CompiledSpecError names what is wrong with the prompt)."""
+        prompt_ids = self._check_prompt(prompt)
+        seed = params.seed if params.seed is not None else self.config.seed * 1_000_003 + next(self._requests_made)
+        output = RequestOutput(prompt_token_ids=prompt_ids, stats=SpecStats(self.num_speculative_tokens))
+        return Request(index, prompt_ids, params, seed, output)
 
     @torch.inference_mode()
     def _teacher_forced_hidden(self, token_ids: list[int]):

@@ -6,6 +6,7 @@ import json
 from typing import Callable
 
 from .params import RequestOutput, SpecStats
+from .text_stream import TextStream
 
 Prompt = str | list[int]
 
@@ -31,55 +32,28 @@ def request_header(index: int, total: int, output: RequestOutput) -> str:
     return f"--- prompt {index + 1} of {total}: {len(output.token_ids)} tokens, finish_reason={output.finish_reason}"
 
 
-def held_back(text: str, stops: list[str]) -> int:
-    """Characters at the end of `text` that may be the start of a stop string."""
-    longest = 0
-    for stop in stops:
-        for size in range(min(len(stop) - 1, len(text)), longest, -1):
-            if text.endswith(stop[:size]):
-                longest = size
-                break
-    return longest
-
-
 class Streamer:
-    """Prints one request as tokens are accepted.
-
-    Text that could still turn out to be part of a stop string (which is not printed) or an
-    unfinished multi-byte character is held back until the next tokens decide it.
-    """
+    """Prints one request as tokens are accepted (token ids for a model without a tokenizer)."""
 
     def __init__(self, prompt: Prompt, tokenizer, stops: list[str] | None, echo: Callable[..., None]):
-        self.tokenizer = tokenizer
-        self.stops = stops or []
+        self.text = TextStream(tokenizer, stops) if tokenizer is not None else None
         self.echo = echo
-        self.token_ids: list[int] = []
-        self.printed = 0
         echo(prompt_text(prompt, tokenizer), nl=False)
 
     def on_tokens(self, request_index: int, new_token_ids: list[int]) -> None:
-        self.token_ids.extend(new_token_ids)
-        if self.tokenizer is None:
-            self.echo("".join(f" {token}" for token in new_token_ids), nl=False)
-            return
-        text = self.tokenizer.decode(self.token_ids, skip_special_tokens=True)
-        safe = len(text.rstrip("\ufffd"))
-        cuts = [text.find(stop) for stop in self.stops if stop in text]
-        if cuts:
-            safe = min(safe, *cuts)
+        if self.text is None:
+            self._show("".join(f" {token}" for token in new_token_ids))
         else:
-            safe = min(safe, len(text) - held_back(text, self.stops))
-        self._emit(text[:safe])
+            self._show(self.text.add(new_token_ids))
 
     def finish(self, output: RequestOutput) -> None:
-        if self.tokenizer is not None and output.finish_reason != "error":
-            self._emit(output.text)
+        if self.text is not None and output.finish_reason != "error":
+            self._show(self.text.finish(output.text))
         self.echo("")
 
-    def _emit(self, text: str) -> None:
-        if len(text) > self.printed:
-            self.echo(text[self.printed:], nl=False)
-            self.printed = len(text)
+    def _show(self, text: str) -> None:
+        if text:
+            self.echo(text, nl=False)
 
 
 def stats_record(stats: SpecStats) -> dict:

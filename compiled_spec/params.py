@@ -19,19 +19,19 @@ class SamplingParams:
 
     def __post_init__(self):
         if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
-            raise CompiledSpecError(f"temperature={self.temperature!r} is invalid; allowed: >= 0 (0 = greedy)")
+            raise CompiledSpecError(f"temperature={self.temperature!r} is invalid; allowed: >= 0 (0 = greedy)", param="temperature")
         if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
-            raise CompiledSpecError(f"top_p={self.top_p!r} is out of range; allowed (0, 1]")
+            raise CompiledSpecError(f"top_p={self.top_p!r} is out of range; allowed (0, 1]", param="top_p")
         if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise CompiledSpecError(f"top_k={self.top_k!r} is invalid; allowed: 0 (off) or a positive integer")
+            raise CompiledSpecError(f"top_k={self.top_k!r} is invalid; allowed: 0 (off) or a positive integer", param="top_k")
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise CompiledSpecError(f"max_tokens={self.max_tokens!r} is invalid; allowed: a positive integer")
+            raise CompiledSpecError(f"max_tokens={self.max_tokens!r} is invalid; allowed: a positive integer", param="max_tokens")
         if self.seed is not None and (not isinstance(self.seed, int) or not 0 <= self.seed < 2**63):
-            raise CompiledSpecError(f"seed={self.seed!r} is out of range; allowed 0..2**63-1")
+            raise CompiledSpecError(f"seed={self.seed!r} is out of range; allowed 0..2**63-1", param="seed")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         if self.stop is not None and any(not isinstance(s, str) or not s for s in self.stop):
-            raise CompiledSpecError(f"stop={self.stop!r} is invalid; allowed: a list of non-empty strings")
+            raise CompiledSpecError(f"stop={self.stop!r} is invalid; allowed: a list of non-empty strings", param="stop")
 
 
 @dataclass

@@ -37,6 +37,13 @@ class Request:
     output: RequestOutput
 
 
+@dataclass
+class StepRecord:
+    finished: list[Request]  # requests this step finished; their slots are free again
+    lanes: list[tuple[int, int]]  # per lane: (request index, accepted drafts)
+    seconds: float  # wall time, the host copy of the step's results included
+
+
 class Engine:
     def __init__(self, model: CausalLM, config: EngineConfig, eos_ids: tuple[int, ...], tokenizer=None):
         self.model = model
@@ -97,14 +104,23 @@ class Engine:
         self.warmup_seconds = time.perf_counter() - start
 
     def run(self, requests: list[Request], on_tokens: TokenCallback | None = None) -> None:
+        """Decodes a known list of requests to the end, recording every step in step_log and step_seconds."""
         queue = deque(requests)
         while queue or self.slots:
-            while queue and len(self.slots) < self.config.max_batch_size:
-                self._admit(queue.popleft(), on_tokens)
+            while queue and self.has_free_slot():
+                self.admit(queue.popleft(), on_tokens)
             if self.slots:
-                self._step(on_tokens)
+                record = self.step(on_tokens)
+                self.step_log.append(record.lanes)
+                self.step_seconds.append(record.seconds)
 
-    def _admit(self, request: Request, on_tokens: TokenCallback | None) -> None:
+    def has_free_slot(self) -> bool:
+        return len(self.slots) < self.config.max_batch_size
+
+    def admit(self, request: Request, on_tokens: TokenCallback | None = None) -> list[Request]:
+        """Prefills `request` into the next free slot (between steps); returns it if its first token finished it."""
+        if not self.has_free_slot():
+            raise RuntimeError("admit() needs a free slot; check has_free_slot() first")
         slot = len(self.slots)
         params = request.params
         state = self.state
@@ -125,31 +141,47 @@ class Engine:
             torch.tensor([slot], device=device), prompt, torch.tensor([length], device=device)
         )
         self.slots.append(request)
-        self._collect(slot + 1, on_tokens, first_slot=slot, record_stats=False)
+        finished, _ = self._collect(slot + 1, on_tokens, first_slot=slot, record_stats=False)
+        return finished
 
-    def _step(self, on_tokens: TokenCallback | None) -> None:
+    def step(self, on_tokens: TokenCallback | None = None) -> StepRecord:
+        """One speculative step over every admitted request; finished requests leave their slots."""
         start = time.perf_counter()
         batch = pick_bucket(self.batch_buckets, len(self.slots))
         self.runner.step(batch)
-        self._collect(len(self.slots), on_tokens, first_slot=0, record_stats=True)
-        self.step_seconds.append(time.perf_counter() - start)
+        finished, lanes = self._collect(len(self.slots), on_tokens, first_slot=0, record_stats=True)
+        return StepRecord(finished, lanes, time.perf_counter() - start)
 
-    def _collect(self, end: int, on_tokens, first_slot: int, record_stats: bool) -> None:
-        """Reads what slots first_slot..end-1 emitted (one device-to-host copy) and frees finished slots."""
+    def abort(self, index: int) -> Request | None:
+        """Frees the slot of the running request with this index (between steps); None if none runs."""
+        for slot, request in enumerate(self.slots):
+            if request.index == index:
+                request.output.finish_reason = "abort"
+                if self.tokenizer is not None:
+                    request.output.text = self.tokenizer.decode(request.output.token_ids, skip_special_tokens=True)
+                self._free(slot)
+                return request
+        return None
+
+    def _collect(self, end: int, on_tokens, first_slot: int, record_stats: bool):
+        """Reads what slots first_slot..end-1 emitted (one device-to-host copy) and frees finished slots.
+
+        Returns the finished requests and, per lane, (request index, accepted drafts).
+        """
         s = self.state
         packed = torch.cat(
             [s.step_tokens[first_slot:end], s.step_emitted[first_slot:end, None],
              s.step_accepted[first_slot:end, None], s.done[first_slot:end, None].long()], dim=1
         ).tolist()
-        finished = []
-        lanes = []
+        finished, finished_slots, lanes = [], [], []
         for offset, row in enumerate(packed):
             slot = first_slot + offset
             request = self.slots[slot]
             tokens, count, accepted, done = row[: self.k + 1], row[-3], row[-2], bool(row[-1])
-            if record_stats and self.k > 0:
-                request.output.stats.record(accepted)
+            if record_stats:
                 lanes.append((request.index, accepted))
+                if self.k > 0:
+                    request.output.stats.record(accepted)
             kept = len(request.output.token_ids)
             stopped = self._append(request, tokens[:count])
             new_tokens = request.output.token_ids[kept:]  # a stop string drops the tokens after it
@@ -157,11 +189,11 @@ class Engine:
                 on_tokens(request.index, new_tokens)
             if done or stopped:
                 self._finish(request, stopped)
-                finished.append(slot)
-        if record_stats:
-            self.step_log.append(lanes)
-        for slot in sorted(finished, reverse=True):
+                finished.append(request)
+                finished_slots.append(slot)
+        for slot in reversed(finished_slots):
             self._free(slot)
+        return finished, lanes
 
     def _append(self, request: Request, new_tokens: list[int]) -> bool:
         """Adds tokens; returns True when a stop string appeared (tokens after it are dropped)."""

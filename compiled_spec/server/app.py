@@ -1,0 +1,225 @@
+"""The HTTP side of `compiled-spec serve`: OpenAI-compatible routes over one EngineLoop.
+
+Handlers run on uvicorn's event loop and never touch the engine: they check a request, tokenize it with
+their own copy of the tokenizer (the engine thread decodes with the other), submit it, and relay its events.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import hmac
+import itertools
+import json
+import time
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException
+
+from ..api import LLM
+from ..chat import chat_prompt
+from ..errors import CompiledSpecError
+from ..params import RequestOutput
+from ..text_stream import TextStream
+from .engine_loop import EngineLoop, Pending, QueueFull, ShuttingDown
+from .metrics import ServerMetrics
+from .protocol import (COMPLETIONS_DEFAULT_MAX_TOKENS, APIError, ChatCompletionRequest, CompletionRequest,
+                       ResponseShape, parse)
+
+DISCONNECT_POLL_S = 0.5
+
+
+@dataclass
+class ServerOptions:
+    model_name: str
+    api_key: str | None = None
+    max_queue: int = 64
+    max_request_bytes: int = 1 << 20
+    retry_after_s: int = 1
+    step_log: str | None = None
+
+
+def create_app(llm: LLM, options: ServerOptions) -> FastAPI:
+    if llm.tokenizer is None:
+        raise CompiledSpecError(f"serve needs a model with a tokenizer; {str(llm.path)!r} has none")
+    metrics = ServerMetrics(options.model_name, llm.num_speculative_tokens)
+    loop = EngineLoop(llm.engine, metrics, options.max_queue, options.step_log)
+    tokenizer = copy.deepcopy(llm.tokenizer)
+    request_numbers = itertools.count()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        loop.start()
+        yield
+        loop.stop()  # uvicorn has let in-flight responses finish (or cut them at its timeout); abort the rest
+
+    app = FastAPI(title="compiled-spec", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.engine_loop = loop
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, error: APIError):
+        return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, error: HTTPException):
+        code = {404: "not_found", 405: "method_not_allowed"}.get(error.status_code)
+        return JSONResponse(APIError(error.status_code, str(error.detail), code=code).body(),
+                            status_code=error.status_code)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, error: RequestValidationError):
+        return JSONResponse(APIError(400, str(error)).body(), status_code=400)
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, error: Exception):
+        return JSONResponse(APIError(500, f"internal error: {error}", type="server_error").body(), status_code=500)
+
+    def authorize(request: Request) -> None:
+        if options.api_key is None:
+            return
+        header = request.headers.get("authorization", "")
+        given = header[len("Bearer "):] if header.startswith("Bearer ") else ""
+        if not hmac.compare_digest(given.encode(), options.api_key.encode()):
+            raise APIError(401, "missing or wrong API key; send 'Authorization: Bearer <key>'",
+                           code="invalid_api_key")
+
+    async def read_json(request: Request):
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > options.max_request_bytes:
+            raise APIError(413, f"request body of {declared} bytes is over the limit of "
+                                f"{options.max_request_bytes} bytes", code="request_too_large")
+        body = bytearray()
+        async for piece in request.stream():
+            body += piece
+            if len(body) > options.max_request_bytes:
+                raise APIError(413, f"request body is over the limit of {options.max_request_bytes} bytes",
+                               code="request_too_large")
+        try:
+            return json.loads(body)
+        except (json.JSONDecodeError, UnicodeDecodeError) as error:
+            raise APIError(400, f"the request body is not valid JSON: {error}", code="invalid_json") from None
+
+    def check_model(name: str) -> None:
+        if name != options.model_name:
+            raise APIError(404, f"model {name!r} does not exist; this server serves {options.model_name!r}",
+                           param="model", code="model_not_found")
+
+    def submit(prompt_ids: list[int], params, param: str) -> Pending:
+        try:
+            engine_request = llm.make_request(next(request_numbers), prompt_ids, params)
+        except CompiledSpecError as error:
+            raise APIError(400, str(error), param=param if error.param == "prompt" else error.param) from None
+        pending = Pending(engine_request, asyncio.Queue(), asyncio.get_running_loop())
+        retry = {"Retry-After": str(options.retry_after_s)}
+        try:
+            loop.submit(pending)
+        except QueueFull:
+            raise APIError(429, f"the server's queue is full ({options.max_queue} requests waiting); retry later",
+                           type="rate_limit_error", code="queue_full", headers=retry) from None
+        except ShuttingDown:
+            raise APIError(503, "the server is shutting down", type="server_error", code="shutting_down",
+                           headers=retry) from None
+        return pending
+
+    async def respond(request: Request, pending: Pending, body, shape: ResponseShape):
+        if body.stream:
+            return StreamingResponse(stream(pending, body, shape), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
+        try:
+            while True:
+                try:
+                    kind, value = await asyncio.wait_for(pending.events.get(), DISCONNECT_POLL_S)
+                except asyncio.TimeoutError:
+                    if await request.is_disconnected():
+                        loop.abort(pending.index)
+                        return Response(status_code=499)
+                    continue
+                if kind == "error":
+                    raise APIError(500, value, type="server_error")
+                if kind == "done":
+                    return JSONResponse(shape.whole(value))
+        finally:
+            if not pending.ended:
+                loop.abort(pending.index)
+
+    async def stream(pending: Pending, body, shape: ResponseShape):
+        def event(data: dict) -> str:
+            return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+        text = TextStream(tokenizer, pending.request.params.stop)
+        try:
+            if shape.chat:
+                yield event(shape.chunk("", first=True))
+            while True:
+                kind, value = await pending.events.get()
+                if kind == "tokens":
+                    new_text = text.add(value)
+                    if new_text:
+                        yield event(shape.chunk(new_text))
+                    continue
+                if kind == "error":
+                    yield event(APIError(500, value, type="server_error").body())
+                else:
+                    output: RequestOutput = value
+                    yield event(shape.chunk(text.finish(output.text), finish_reason=output.finish_reason))
+                    if body.include_usage:
+                        yield event(shape.usage_chunk(output))
+                yield "data: [DONE]\n\n"
+                return
+        finally:  # the client went away (the generator is closed or cancelled) or the response ended
+            if not pending.ended:
+                loop.abort(pending.index)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        authorize(request)
+        body = parse(CompletionRequest, await read_json(request))
+        check_model(body.model)
+        params = body.sampling_params(COMPLETIONS_DEFAULT_MAX_TOKENS)
+        if isinstance(body.prompt, str):
+            if not body.prompt:
+                raise APIError(400, "empty prompt; a prompt needs at least one token", param="prompt")
+            prompt_ids = tokenizer.encode(body.prompt, add_special_tokens=False)
+        else:
+            prompt_ids = body.prompt
+        pending = submit(prompt_ids, params, "prompt")
+        return await respond(request, pending, body, ResponseShape(chat=False, model=options.model_name))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        authorize(request)
+        body = parse(ChatCompletionRequest, await read_json(request))
+        check_model(body.model)
+        try:
+            prompt = chat_prompt(tokenizer, body.conversation())
+        except CompiledSpecError as error:
+            raise APIError(400, str(error), param=error.param) from None
+        params = body.sampling_params(llm.config.max_seq_len)  # OpenAI: up to the context's end by default
+        pending = submit(tokenizer.encode(prompt, add_special_tokens=False), params, "messages")
+        return await respond(request, pending, body, ResponseShape(chat=True, model=options.model_name))
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        authorize(request)
+        return {"object": "list", "data": [{
+            "id": options.model_name, "object": "model", "created": int(time.time()), "owned_by": "compiled-spec",
+            "max_model_len": llm.config.max_seq_len, "num_speculative_tokens": llm.num_speculative_tokens,
+            "graph_mode": llm.config.graph_mode.value,
+        }]}
+
+    @app.get("/health")
+    async def health():
+        if not loop.alive:
+            raise APIError(503, "the engine loop has stopped", type="server_error")
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def prometheus_metrics():
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app

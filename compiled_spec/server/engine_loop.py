@@ -1,0 +1,204 @@
+"""The one thread that owns the engine. HTTP handlers hand it requests and aborts through a queue; it admits
+waiting requests into free slots between steps (so a request that arrives mid-decode joins the running
+batch), steps, and sends each request's tokens and its end back to the handler's event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..params import RequestOutput
+from ..runtime.engine import Engine, Request
+from .metrics import ServerMetrics
+
+log = logging.getLogger("compiled_spec.server")
+
+
+class QueueFull(Exception):
+    pass
+
+
+class ShuttingDown(Exception):
+    pass
+
+
+@dataclass(eq=False)
+class Pending:
+    """One request on its way through the loop, and the handler's queue of its events:
+    ("tokens", [ids]), then ("done", RequestOutput) or ("error", message)."""
+
+    request: Request
+    events: asyncio.Queue
+    event_loop: asyncio.AbstractEventLoop
+    arrived: float = field(default_factory=time.monotonic)
+    last_token_at: float | None = None
+    ended: bool = False
+
+    @property
+    def index(self) -> int:
+        return self.request.index
+
+    def send(self, kind: str, value) -> None:
+        try:
+            self.event_loop.call_soon_threadsafe(self.events.put_nowait, (kind, value))
+        except RuntimeError:  # the handler's event loop is closed: nobody is listening any more
+            pass
+
+
+class EngineLoop:
+    def __init__(self, engine: Engine, metrics: ServerMetrics, max_queue: int, step_log: Path | None = None):
+        self.engine = engine
+        self.metrics = metrics
+        self.max_queue = max_queue
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._waiting: deque[Pending] = deque()
+        self._running: dict[int, Pending] = {}
+        self._lock = threading.Lock()
+        self._queued = 0  # submitted and not yet admitted (or dropped)
+        self._accepting = True
+        self._steps = 0
+        self._step_log = open(step_log, "a", buffering=1) if step_log else None
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    @property
+    def queued(self) -> int:
+        return self._queued
+
+    def submit(self, pending: Pending) -> None:
+        with self._lock:
+            if not self._accepting:
+                raise ShuttingDown()
+            if self._queued >= self.max_queue:
+                raise QueueFull()
+            self._queued += 1
+        self._inbox.put(("add", pending))
+
+    def abort(self, index: int) -> None:
+        """Drops the request at the next step boundary, waiting or running (a client went away)."""
+        self._inbox.put(("abort", index))
+
+    def stop(self) -> None:
+        """Admits nothing more, aborts what is still waiting or running, and ends the thread."""
+        with self._lock:
+            self._accepting = False
+        self._inbox.put(("stop", None))
+        self._thread.join()
+        if self._step_log:
+            self._step_log.close()
+
+    def _run(self) -> None:
+        while True:
+            idle = not self._waiting and not self.engine.slots
+            if not self._handle_inbox(block=idle):
+                break
+            self._admit_waiting()
+            if self.engine.slots:
+                self._step()
+            self.metrics.running.set(len(self.engine.slots))
+            self.metrics.waiting.set(self._queued)
+        for pending in [*self._waiting, *self._running.values()]:
+            self._abort(pending)
+
+    def _handle_inbox(self, block: bool) -> bool:
+        """Takes every message waiting (blocking for the first when idle); False on stop."""
+        messages = [self._inbox.get()] if block else []
+        while True:
+            try:
+                messages.append(self._inbox.get_nowait())
+            except queue.Empty:
+                break
+        for kind, value in messages:
+            if kind == "stop":
+                return False
+            if kind == "add":
+                self._waiting.append(value)
+            elif kind == "abort":
+                pending = self._running.get(value) or next((p for p in self._waiting if p.index == value), None)
+                if pending is not None:
+                    self._abort(pending)
+        return True
+
+    def _admit_waiting(self) -> None:
+        while self._waiting and self.engine.has_free_slot():
+            pending = self._waiting.popleft()
+            self._dequeued()
+            self._running[pending.index] = pending
+            try:
+                finished = self.engine.admit(pending.request, self._on_tokens)
+            except Exception as error:  # a fault of the engine, not of the request: report it, keep serving
+                log.exception("prefill failed for request %d", pending.index)
+                self._fail(pending, f"prefill failed: {error}")
+                continue
+            self._ended(finished)
+
+    def _step(self) -> None:
+        try:
+            record = self.engine.step(self._on_tokens)
+        except Exception as error:
+            log.exception("decode step failed; aborting the %d running requests", len(self._running))
+            for pending in list(self._running.values()):
+                self._fail(pending, f"decode step failed: {error}")
+            return
+        self._steps += 1
+        if self._step_log:
+            self._step_log.write(json.dumps({
+                "step": self._steps, "time": time.time(), "lanes": [index for index, _ in record.lanes],
+                "accepted": [accepted for _, accepted in record.lanes], "waiting": self._queued,
+                "seconds": record.seconds,
+            }) + "\n")
+        self._ended(record.finished)
+
+    def _on_tokens(self, index: int, token_ids: list[int]) -> None:
+        pending = self._running[index]
+        now = time.monotonic()
+        if pending.last_token_at is None:
+            self.metrics.time_to_first_token.observe(now - pending.arrived)
+        else:
+            self.metrics.inter_token_latency.observe(now - pending.last_token_at)
+        pending.last_token_at = now
+        pending.send("tokens", token_ids)
+
+    def _ended(self, requests: list[Request]) -> None:
+        for request in requests:
+            self._end(self._running[request.index], request.output)
+
+    def _abort(self, pending: Pending) -> None:
+        if pending.index in self._running:
+            self.engine.abort(pending.index)
+        else:
+            self._waiting.remove(pending)
+            self._dequeued()
+            pending.request.output.finish_reason = "abort"
+        self._end(pending, pending.request.output)
+
+    def _fail(self, pending: Pending, message: str) -> None:
+        if pending.index in self._running:
+            self.engine.abort(pending.index)
+        output = pending.request.output
+        output.finish_reason, output.error = "error", message
+        self._end(pending, output, error=message)
+
+    def _end(self, pending: Pending, output: RequestOutput, error: str | None = None) -> None:
+        self._running.pop(pending.index, None)
+        pending.ended = True
+        self.metrics.record_finished(output, time.monotonic() - pending.arrived)
+        pending.send("error" if error else "done", error or output)
+
+    def _dequeued(self) -> None:
+        with self._lock:
+            self._queued -= 1

@@ -1,0 +1,220 @@
+"""The OpenAI wire format: request bodies, the checks that turn them into SamplingParams, responses and errors.
+
+Range rules live in SamplingParams; this module only checks shapes and what the engine does not support
+(every unsupported field is a 400 that names it, never a silent ignore).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from ..errors import CompiledSpecError
+from ..params import RequestOutput, SamplingParams, SpecStats
+
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+
+
+class APIError(Exception):
+    """An error answered as {"error": {"message", "type", "param", "code"}} with an HTTP status."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
+                 type: str = "invalid_request_error", headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.type = status, message, param, code, type
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: bool = False
+
+
+class _Common(BaseModel):
+    """Fields both endpoints share. vLLM's extensions top_k and ignore_eos are accepted too."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None  # an end-user id for the operator's logs; changes nothing
+    ignore_eos: bool = False
+
+    def unsupported(self) -> dict[str, Any]:
+        """Fields set to something the engine cannot do: {name: value}."""
+        asked = {
+            "n": self.n not in (None, 1),
+            "presence_penalty": self.presence_penalty not in (None, 0),
+            "frequency_penalty": self.frequency_penalty not in (None, 0),
+            "logit_bias": bool(self.logit_bias),
+        }
+        return {name: getattr(self, name) for name, bad in asked.items() if bad}
+
+    def sampling_params(self, default_max_tokens: int) -> SamplingParams:
+        for name, value in self.unsupported().items():
+            raise APIError(400, f"{name}={value!r} is not supported by this server", param=name,
+                           code="unsupported_parameter")
+        if self.stream_options is not None and not self.stream:
+            raise APIError(400, "stream_options is only allowed with stream=true", param="stream_options")
+        top_k = self.top_k if self.top_k is not None else 0
+        try:
+            return SamplingParams(
+                temperature=1.0 if self.temperature is None else self.temperature,
+                top_p=1.0 if self.top_p is None else self.top_p,
+                top_k=0 if top_k == -1 else top_k,  # -1 is "off" in vLLM
+                max_tokens=default_max_tokens if self.max_tokens is None else self.max_tokens,
+                stop=self.stop, seed=self.seed, ignore_eos=self.ignore_eos,
+            )
+        except CompiledSpecError as error:
+            raise APIError(400, str(error), param=error.param) from None
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class CompletionRequest(_Common):
+    prompt: str | list[int] | list[str]
+    echo: bool = False
+    logprobs: int | None = None
+    best_of: int | None = None
+    suffix: str | None = None
+
+    def unsupported(self) -> dict[str, Any]:
+        asked = super().unsupported()
+        for name, bad in (("echo", self.echo), ("logprobs", self.logprobs is not None),
+                          ("best_of", self.best_of not in (None, 1)), ("suffix", self.suffix is not None)):
+            if bad:
+                asked[name] = getattr(self, name)
+        if isinstance(self.prompt, list) and any(isinstance(p, str) for p in self.prompt):
+            asked["prompt"] = "a list of strings (send one prompt per request)"
+        return asked
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    role: str
+    content: str
+    name: str | None = None
+
+
+class ChatCompletionRequest(_Common):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    tools: list[dict] | None = None
+    tool_choice: Any = None
+    response_format: dict | None = None
+
+    def unsupported(self) -> dict[str, Any]:
+        asked = super().unsupported()
+        for name in ("logprobs", "top_logprobs", "tools", "tool_choice", "response_format"):
+            value = getattr(self, name)
+            if value not in (None, False, "none"):
+                asked[name] = value
+        return asked
+
+    def sampling_params(self, default_max_tokens: int) -> SamplingParams:
+        if self.max_tokens is not None and self.max_completion_tokens is not None:
+            raise APIError(400, "set max_tokens or max_completion_tokens, not both", param="max_completion_tokens")
+        if self.max_completion_tokens is not None:
+            self.max_tokens = self.max_completion_tokens
+        return super().sampling_params(default_max_tokens)
+
+    def conversation(self) -> list[dict]:
+        return [message.model_dump(exclude_none=True) for message in self.messages]
+
+
+def parse(model_class: type[BaseModel], body: Any) -> BaseModel:
+    """The validated body; the first problem becomes a 400 naming its field."""
+    if not isinstance(body, dict):
+        raise APIError(400, "the request body must be a JSON object")
+    try:
+        return model_class.model_validate(body)
+    except ValidationError as error:
+        first = error.errors()[0]
+        location = [str(part) for part in first["loc"] if not str(part).startswith(("function-", "json-or-python"))]
+        # A union reports each member it tried; the field is what comes before the member's name.
+        param = ".".join(part for part in location if part not in ("str", "int", "list[int]", "list[str]", "float"))
+        if first["type"] == "extra_forbidden":
+            raise APIError(400, f"unknown parameter {param!r}", param=param, code="unsupported_parameter") from None
+        if first["type"] == "missing":
+            raise APIError(400, f"{param} is required", param=param) from None
+        raise APIError(400, f"{param}: {first['msg']} (got {first.get('input')!r})", param=param) from None
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def usage(output: RequestOutput) -> dict:
+    prompt, completion = len(output.prompt_token_ids), len(output.token_ids)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "spec_decode": spec_decode_stats(output.stats)}
+
+
+def spec_decode_stats(stats: SpecStats) -> dict:
+    """What speculation did for one response (names as vLLM's spec_decode metrics)."""
+    return {
+        "num_speculative_tokens": stats.num_speculative_tokens,
+        "num_drafts": stats.steps,
+        "num_draft_tokens": stats.drafted,
+        "num_accepted_tokens": stats.accepted,
+        "num_accepted_tokens_per_pos": list(stats.accepted_per_position),
+        "acceptance_rate_per_position": stats.acceptance_rate_per_position,
+        "mean_accepted_length": stats.mean_accepted_length,
+    }
+
+
+class ResponseShape:
+    """The JSON of one response, whole or in streamed chunks, for completions or chat."""
+
+    def __init__(self, chat: bool, model: str):
+        self.chat, self.model = chat, model
+        self.id = new_id("chatcmpl" if chat else "cmpl")
+        self.created = int(time.time())
+
+    def _envelope(self, object_name: str, choices: list[dict]) -> dict:
+        return {"id": self.id, "object": object_name, "created": self.created, "model": self.model,
+                "choices": choices}
+
+    def whole(self, output: RequestOutput) -> dict:
+        if self.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": output.text},
+                      "logprobs": None, "finish_reason": output.finish_reason}
+            body = self._envelope("chat.completion", [choice])
+        else:
+            choice = {"index": 0, "text": output.text, "logprobs": None, "finish_reason": output.finish_reason}
+            body = self._envelope("text_completion", [choice])
+        body["usage"] = usage(output)
+        return body
+
+    def chunk(self, text: str, finish_reason: str | None = None, first: bool = False) -> dict:
+        if self.chat:
+            delta = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
+            return self._envelope("chat.completion.chunk",
+                                  [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}])
+        return self._envelope("text_completion",
+                              [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}])
+
+    def usage_chunk(self, output: RequestOutput) -> dict:
+        body = self._envelope("chat.completion.chunk" if self.chat else "text_completion", [])
+        body["usage"] = usage(output)
+        return body

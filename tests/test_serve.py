@@ -1,0 +1,266 @@
+"""`compiled-spec serve`, live in a subprocess on 127.0.0.1, driven by the official openai client; every
+output is compared with LLM.generate / LLM.chat on the same checkpoint in this process."""
+
+from __future__ import annotations
+
+import json
+import signal
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+import pytest
+
+from compiled_spec import LLM, CompiledSpecError, SamplingParams
+from compiled_spec.chat import chat_prompt
+from serving import running_server, write_chat_model
+
+K = 2
+ENGINE = dict(num_speculative_tokens=K, max_batch_size=4, max_seq_len=192)
+SERVER_ARGS = ["-k", str(K), "--max-batch-size", "4", "--max-seq-len", "192", "--graph-mode", "eager",
+               "--log-level", "warning"]
+API_KEY = "test-key-123"
+PROMPTS = ["ROMEO: But soft", "JULIET:", "def fib(n):", "It is the east, and", "O Romeo, Romeo, wherefore",
+           "Deny thy father", "return n if", "what light through yonder window breaks? It is"]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return write_chat_model(tmp_path_factory.mktemp("serve_model"))
+
+
+@pytest.fixture(scope="module")
+def server(model_dir, tmp_path_factory):
+    logs = tmp_path_factory.mktemp("serve_logs")
+    with running_server(model_dir, logs / "server.log", *SERVER_ARGS, "--step-log", str(logs / "steps.jsonl"),
+                        "--served-model-name", "tiny", api_key=API_KEY) as live:
+        live.step_log = logs / "steps.jsonl"
+        yield live
+
+
+@pytest.fixture(scope="module")
+def offline(model_dir):
+    return LLM(model_dir, graph_mode="eager", show_progress=False, **ENGINE)
+
+
+def greedy(max_tokens: int, **extra) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, **extra)
+
+
+def stream_completion(client, prompt: str, max_tokens: int, **extra) -> tuple[str, str, dict]:
+    """(text, finish_reason, usage) of one streamed completion."""
+    text, finish_reason, usage = "", None, None
+    for chunk in client.completions.create(model="tiny", prompt=prompt, max_tokens=max_tokens, temperature=0,
+                                           stream=True, stream_options={"include_usage": True}, **extra):
+        if chunk.choices:
+            text += chunk.choices[0].text
+            finish_reason = chunk.choices[0].finish_reason or finish_reason
+        if chunk.usage is not None:
+            usage = chunk.usage.model_dump()
+    return text, finish_reason, usage
+
+
+def test_completions_equal_generate_streamed_and_not(server, offline):
+    client = server.client()
+    stops = ["\n"]
+    expected = offline.generate(PROMPTS[:3], [greedy(24), greedy(24, stop=stops), greedy(24, ignore_eos=True)])
+    whole = [client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=24, temperature=0),
+             client.completions.create(model="tiny", prompt=PROMPTS[1], max_tokens=24, temperature=0, stop=stops),
+             client.completions.create(model="tiny", prompt=PROMPTS[2], max_tokens=24, temperature=0,
+                                       extra_body={"ignore_eos": True})]
+    streamed = [stream_completion(client, PROMPTS[0], 24), stream_completion(client, PROMPTS[1], 24, stop=stops),
+                stream_completion(client, PROMPTS[2], 24, extra_body={"ignore_eos": True})]
+    for want, got, (text, finish_reason, usage) in zip(expected, whole, streamed):
+        assert got.choices[0].text == want.text == text
+        assert got.choices[0].finish_reason == want.finish_reason == finish_reason
+        assert got.usage.completion_tokens == len(want.token_ids) == usage["completion_tokens"]
+        assert got.usage.prompt_tokens == len(want.prompt_token_ids)
+        spec = got.usage.model_extra["spec_decode"]
+        assert spec["num_accepted_tokens_per_pos"] == want.stats.accepted_per_position
+        assert spec["mean_accepted_length"] == pytest.approx(want.stats.mean_accepted_length)
+        assert usage["spec_decode"] == spec
+    assert expected[2].finish_reason == "length" and len(expected[2].token_ids) == 24
+    assert sum(expected[2].stats.accepted_per_position) > 0, "the MTP modules should have drafts accepted"
+
+
+def test_chat_completions_equal_llm_chat(server, offline):
+    client = server.client()
+    messages = [{"role": "system", "content": "You are Juliet."}, {"role": "user", "content": "Who is Romeo?"}]
+    want = offline.chat(messages, greedy(20, ignore_eos=True))[0]
+    got = client.chat.completions.create(model="tiny", messages=messages, max_tokens=20, temperature=0,
+                                         extra_body={"ignore_eos": True})
+    assert got.choices[0].message.role == "assistant"
+    assert got.choices[0].message.content == want.text
+    assert got.usage.prompt_tokens == len(want.prompt_token_ids)
+    pieces, roles = [], []
+    for chunk in client.chat.completions.create(model="tiny", messages=messages, max_completion_tokens=20,
+                                                temperature=0, stream=True, extra_body={"ignore_eos": True}):
+        if chunk.choices:
+            pieces.append(chunk.choices[0].delta.content or "")
+            roles.append(chunk.choices[0].delta.role)
+    assert "".join(pieces) == want.text
+    assert roles[0] == "assistant"
+
+
+def test_seeded_sampling_equals_generate(server, offline):
+    client = server.client()
+    want = offline.generate(PROMPTS[3], SamplingParams(temperature=0.9, top_p=0.9, max_tokens=16, seed=11))[0]
+    got = client.completions.create(model="tiny", prompt=PROMPTS[3], max_tokens=16, temperature=0.9, top_p=0.9,
+                                    seed=11)
+    assert got.choices[0].text == want.text
+
+
+def test_sixteen_concurrent_streams_join_running_batches_and_lose_nothing(server, offline):
+    client = server.client()
+    jobs = [(PROMPTS[i % len(PROMPTS)] * (1 + i % 3), 6 + (i * 7) % 40) for i in range(16)]
+    expected = offline.generate([prompt for prompt, _ in jobs],
+                                [greedy(max_tokens, ignore_eos=True) for _, max_tokens in jobs])
+    steps_before = len(server.step_log.read_text().splitlines())
+    with ThreadPoolExecutor(16) as pool:
+        results = list(pool.map(lambda job: stream_completion(client, job[0], job[1], extra_body={"ignore_eos": True}),
+                                jobs))
+    for (text, finish_reason, usage), want, (_, max_tokens) in zip(results, expected, jobs):
+        assert text == want.text
+        assert usage["completion_tokens"] == len(want.token_ids) == max_tokens
+        assert finish_reason == "length"
+
+    steps = [json.loads(line)["lanes"] for line in server.step_log.read_text().splitlines()[steps_before:]]
+    assert max(len(lanes) for lanes in steps) == 4  # the batch filled up
+    first_step = {}
+    for number, lanes in enumerate(steps):
+        for request in lanes:
+            first_step.setdefault(request, number)
+    joined = [request for request, number in first_step.items() if number > 0
+              and set(steps[number - 1]) & set(steps[number]) - {request}]
+    assert len(first_step) == 16
+    assert joined, "no request joined a batch that was already decoding"
+
+
+def test_a_client_that_disconnects_frees_its_slot(server, offline):
+    client = server.client()
+    before = server.metrics()
+    abort_key = 'compiled_spec:request_success_total{finished_reason="abort",model_name="tiny"}'
+    other = {}
+    thread = threading.Thread(target=lambda: other.update(result=stream_completion(
+        client, PROMPTS[4], 60, extra_body={"ignore_eos": True})))
+    body = {"model": "tiny", "prompt": PROMPTS[5], "max_tokens": 180, "temperature": 0, "stream": True,
+            "ignore_eos": True}
+    with httpx.stream("POST", server.base_url + "/v1/completions", json=body, timeout=60,
+                      headers={"Authorization": f"Bearer {API_KEY}"}) as response:
+        assert response.status_code == 200
+        thread.start()
+        lines = response.iter_lines()
+        assert next(lines).startswith("data: ")
+    thread.join()
+    server.wait_idle()
+    after = server.metrics()
+    assert after.get(abort_key, 0) == before.get(abort_key, 0) + 1
+    generated = 'compiled_spec:generation_tokens_total{model_name="tiny"}'
+    # The aborted request stopped far short of its 180 tokens: the other made 60.
+    assert after[generated] - before[generated] < 60 + 120
+    want = offline.generate(PROMPTS[4], greedy(60, ignore_eos=True))[0]
+    assert other["result"][0] == want.text
+
+
+BAD_COMPLETIONS = [
+    (dict(temperature=-1), 400, "temperature"),
+    (dict(max_tokens=0), 400, "max_tokens"),
+    (dict(top_p=7), 400, "top_p"),
+    (dict(model="no-such-model"), 404, "model"),
+    (dict(prompt="ROMEO: " * 400), 400, "prompt"),
+    (dict(n=2), 400, "n"),
+    (dict(logprobs=3), 400, "logprobs"),
+    (dict(extra_body={"best_temperature": 1}), 400, "best_temperature"),
+]
+
+
+@pytest.mark.parametrize("change, status, param", BAD_COMPLETIONS, ids=[p for _, _, p in BAD_COMPLETIONS])
+def test_a_bad_request_names_its_field_and_the_server_keeps_serving(server, change, status, param):
+    client = server.client()
+    request = {"model": "tiny", "prompt": "ROMEO:", "max_tokens": 4, **change}
+    with pytest.raises(openai.APIStatusError) as caught:
+        client.completions.create(**request)
+    assert caught.value.status_code == status
+    error = caught.value.body
+    assert error["param"] == param
+    assert param in error["message"] or param == "prompt" and "too long" in error["message"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert client.completions.create(model="tiny", prompt="ROMEO:", max_tokens=3, temperature=0).choices[0].text
+
+
+def test_malformed_json_and_keys_get_openai_errors(server):
+    headers = {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"}
+    response = httpx.post(server.base_url + "/v1/completions", content=b'{"model": "tiny", "prompt": ', headers=headers)
+    assert response.status_code == 400
+    assert response.json()["error"]["code"] == "invalid_json"
+    with pytest.raises(openai.AuthenticationError) as caught:
+        server.client(api_key="wrong-key").completions.create(model="tiny", prompt="ROMEO:", max_tokens=2)
+    assert caught.value.status_code == 401 and caught.value.body["code"] == "invalid_api_key"
+    missing = httpx.post(server.base_url + "/v1/completions", json={"model": "tiny", "prompt": "ROMEO:"})
+    assert missing.status_code == 401 and missing.json()["error"]["code"] == "invalid_api_key"
+    assert httpx.get(server.base_url + "/v1/models").status_code == 401
+    assert [m.id for m in server.client().models.list().data] == ["tiny"]
+    assert httpx.get(server.base_url + "/health").status_code == 200  # health and metrics need no key
+    huge = b'{"model": "tiny", "prompt": "' + b"a" * (2 << 20) + b'"}'
+    assert httpx.post(server.base_url + "/v1/completions", content=huge, headers=headers).status_code == 413
+    assert server.client().completions.create(model="tiny", prompt="ROMEO:", max_tokens=2).choices
+
+
+def test_metrics_counters_agree_with_the_responses(server):
+    client = server.client()
+    server.wait_idle()
+    before = server.metrics()
+    usages = [client.completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=0,
+                                        extra_body={"ignore_eos": True}).usage.model_dump() for prompt in PROMPTS[:4]]
+    server.wait_idle()
+    after = server.metrics()
+
+    def delta(name: str) -> float:
+        key = f"compiled_spec:{name}"
+        return after.get(key, 0) - before.get(key, 0)
+
+    label = '{model_name="tiny"}'
+    spec = [usage["spec_decode"] for usage in usages]
+    assert delta(f"spec_decode_num_drafts_total{label}") == sum(s["num_drafts"] for s in spec) > 0
+    assert delta(f"spec_decode_num_draft_tokens_total{label}") == sum(s["num_draft_tokens"] for s in spec)
+    assert delta(f"spec_decode_num_accepted_tokens_total{label}") == sum(s["num_accepted_tokens"] for s in spec)
+    for position in range(K):
+        name = f'spec_decode_num_accepted_tokens_per_pos_total{{model_name="tiny",position="{position}"}}'
+        assert delta(name) == sum(s["num_accepted_tokens_per_pos"][position] for s in spec)
+    assert delta(f"generation_tokens_total{label}") == sum(u["completion_tokens"] for u in usages) == 48
+    assert delta(f"prompt_tokens_total{label}") == sum(u["prompt_tokens"] for u in usages)
+    assert delta(f"time_to_first_token_seconds_count{label}") == 4
+    assert delta(f"e2e_request_latency_seconds_count{label}") == 4
+    assert delta(f"inter_token_latency_seconds_count{label}") >= 4
+
+
+def test_a_full_queue_gets_429_and_sigterm_finishes_what_runs(model_dir, tmp_path):
+    with running_server(model_dir, tmp_path / "server.log", *SERVER_ARGS[:2], "--max-batch-size", "1",
+                        "--max-queue", "1", "--max-seq-len", "512", "--served-model-name", "tiny",
+                        "--log-level", "warning") as live:
+        client = live.client()
+        first = client.completions.create(model="tiny", prompt="ROMEO:", max_tokens=400, temperature=0, stream=True,
+                                          extra_body={"ignore_eos": True})
+        first_chunks = iter(first)
+        next(first_chunks)  # the first request runs (the only slot) ...
+        second = client.completions.create(model="tiny", prompt="JULIET:", max_tokens=400, temperature=0,
+                                           stream=True, extra_body={"ignore_eos": True})
+        with pytest.raises(openai.RateLimitError) as caught:  # ... the second waits, the third finds the queue full
+            client.completions.create(model="tiny", prompt="O Romeo", max_tokens=4)
+        assert caught.value.response.headers["retry-after"] == "1"
+        assert caught.value.body["code"] == "queue_full"
+
+        live.process.send_signal(signal.SIGTERM)
+        finish_reasons = [chunk.choices[0].finish_reason for chunk in first_chunks if chunk.choices]
+        second_reasons = [chunk.choices[0].finish_reason for chunk in second if chunk.choices]
+        assert finish_reasons[-1] == "length" and second_reasons[-1] == "length"
+        assert live.process.wait(timeout=60) == 0
+
+
+def test_chat_without_a_template_is_a_clear_error(offline):
+    with pytest.raises(CompiledSpecError, match="no chat template") as caught:
+        chat_prompt(None, [{"role": "user", "content": "hi"}])
+    assert caught.value.param == "messages"
+    with pytest.raises(CompiledSpecError, match=r"messages\[0\]"):
+        chat_prompt(offline.tokenizer, [{"role": "wizard", "content": "hi"}])
