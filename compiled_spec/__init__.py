@@ -5,5 +5,8 @@ from .config import GraphMode
 from .errors import CompiledSpecError
 from .hisparse import HiSparseConfig
 from .params import RequestOutput, SamplingParams, SpecStats
+from .registry import fetch_model
 
-__all__ = ["LLM", "GraphMode", "CompiledSpecError", "HiSparseConfig", "RequestOutput", "SamplingParams", "SpecStats"]
+__all__ = [
+    "LLM", "GraphMode", "CompiledSpecError", "HiSparseConfig", "RequestOutput", "SamplingParams", "SpecStats", "fetch_model",
+]

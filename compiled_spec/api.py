@@ -8,13 +8,14 @@ from pathlib import Path
 import torch
 
 from .chat import chat_prompt
-from .checkpoint import load_model
-from .config import EngineConfig, GraphMode
+from .checkpoint import checkpoint_dtype, load_model
+from .config import EngineConfig, GraphMode, dtype_name
 from .errors import CompiledSpecError
 from .hisparse.config import HiSparseConfig
 from .hisparse.indexer import attach_indexers
 from .model.rope import rotary_tables
 from .params import RequestOutput, SamplingParams, SpecStats
+from .registry import resolve_model
 from .runtime.engine import Engine, Request, TokenCallback
 from .spec.state import DecodeState
 from .spec.step import StepConstants, make_layout
@@ -28,12 +29,12 @@ class LLM:
         self,
         model: str | Path | None = None,
         *,
-        num_speculative_tokens: int = 3,
+        num_speculative_tokens: int | None = None,
         graph_mode: str | GraphMode | None = None,
         max_batch_size: int = 8,
         max_seq_len: int = 512,
         device: str = "cpu",
-        dtype: str = "float32",
+        dtype: "str | torch.dtype" = "float32",
         seed: int = 0,
         batch_buckets: tuple[int, ...] | None = None,
         prefill_buckets: tuple[int, ...] | None = None,
@@ -41,14 +42,14 @@ class LLM:
         show_progress: bool = True,
         hisparse: HiSparseConfig | None = None,
     ):
-        self.path = Path(model) if model is not None else DEFAULT_MODEL
+        self.path = resolve_model(model) or DEFAULT_MODEL
         self.config = EngineConfig(
             num_speculative_tokens=num_speculative_tokens,
             graph_mode=GraphMode.default_for(device) if graph_mode is None else GraphMode.parse(graph_mode),
             max_batch_size=max_batch_size,
             max_seq_len=max_seq_len,
             device=device,
-            dtype=dtype,
+            dtype=dtype_name(dtype, checkpoint_dtype(self.path) if dtype == "auto" else None),
             seed=seed,
             batch_buckets=batch_buckets,
             prefill_buckets=prefill_buckets,
@@ -56,6 +57,8 @@ class LLM:
         )
         self.model = load_model(self.path, self.config.torch_dtype(), device)
         self.model_config = self.model.config
+        if num_speculative_tokens is None:  # as many as the default where the model can draft, else none
+            self.config.num_speculative_tokens = 3 if self.model_config.num_mtp_modules else 0
         self.config.validate(self.model_config)
         if hisparse is not None:
             attach_indexers(self.model, self.path, hisparse.scorer)

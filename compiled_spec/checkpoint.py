@@ -1,4 +1,5 @@
-"""Hugging Face checkpoint directory (config.json + safetensors) -> CausalLM, without transformers' model classes."""
+"""A Hugging Face checkpoint directory (config.json + safetensors) or a GGUF file -> CausalLM, without transformers'
+model classes."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from safetensors import safe_open
 
 from .config import ModelConfig
 from .errors import CompiledSpecError
+from .gguf_checkpoint import is_gguf, read_gguf
 from .model.causal_lm import CausalLM
 
 
@@ -74,6 +76,15 @@ def read_config(path: Path) -> dict:
         return json.loads(config_file.read_text())
     except json.JSONDecodeError as error:
         raise CompiledSpecError(f"config.json in {str(path)!r} is not valid JSON: {error}") from None
+
+
+def checkpoint_dtype(path: Path) -> str | None:
+    """The dtype config.json says the weights are in (dtype, or torch_dtype in older files), if any; None for
+    GGUF files, whose tensors may each have their own type."""
+    if is_gguf(path):
+        return None
+    raw = read_config(path)
+    return raw.get("dtype") or raw.get("torch_dtype")
 
 
 def _safetensors_files(path: Path) -> list[Path]:
@@ -177,10 +188,18 @@ def split_weights(tensors: dict[str, torch.Tensor], num_layers: int) -> tuple[di
     return _stack_experts(state), num_mtp, hidden_first
 
 
+def read_checkpoint(path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
+    """(config.json dict, tensors under Hugging Face names) of a checkpoint directory or a .gguf file."""
+    if is_gguf(path):
+        return read_gguf(path)
+    return read_config(path), read_tensors(path)
+
+
 def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu") -> CausalLM:
     path = Path(path)
-    config = ModelConfig.from_hf(read_config(path))
-    state, num_mtp, hidden_first = split_weights(read_tensors(path), config.num_hidden_layers)
+    raw_config, tensors = read_checkpoint(path)
+    config = ModelConfig.from_hf(raw_config)
+    state, num_mtp, hidden_first = split_weights(tensors, config.num_hidden_layers)
     config.num_mtp_modules = num_mtp
     with torch.device("meta"):
         model = CausalLM(config, mtp_hidden_first=hidden_first)

@@ -156,6 +156,23 @@ class ModelConfig:
 
 
 MAX_SPECULATIVE_TOKENS = 8
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def dtype_name(dtype, checkpoint_dtype: str | None) -> str:
+    """The engine dtype's name for `dtype`: a name, a torch.dtype, or "auto" (the checkpoint's own dtype,
+    float32 when it names none or one the engine does not compute in)."""
+    import torch
+
+    if isinstance(dtype, torch.dtype):
+        name = str(dtype).removeprefix("torch.")
+        if name not in DTYPES:
+            raise CompiledSpecError(f"dtype={dtype} is not supported; choose float32, bfloat16 or float16 "
+                                    "(as names or torch dtypes), or auto")
+        return name
+    if dtype == "auto":
+        return checkpoint_dtype if checkpoint_dtype in DTYPES else "float32"
+    return dtype
 
 
 @dataclass(slots=True)
@@ -174,7 +191,7 @@ class EngineConfig:
     def torch_dtype(self):
         import torch
 
-        if self.dtype not in ("float32", "bfloat16", "float16"):
+        if self.dtype not in DTYPES:
             raise CompiledSpecError(f"dtype={self.dtype!r} is not supported; choose float32, bfloat16 or float16")
         return getattr(torch, self.dtype)
 

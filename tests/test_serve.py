@@ -14,7 +14,8 @@ import pytest
 
 from compiled_spec import LLM, CompiledSpecError, SamplingParams
 from compiled_spec.chat import chat_prompt
-from serving import running_server, write_chat_model
+from benchmarks.live_server import running_server
+from serving import serve_command, write_chat_model
 
 K = 2
 ENGINE = dict(num_speculative_tokens=K, max_batch_size=4, max_seq_len=192)
@@ -33,8 +34,9 @@ def model_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(model_dir, tmp_path_factory):
     logs = tmp_path_factory.mktemp("serve_logs")
-    with running_server(model_dir, logs / "server.log", *SERVER_ARGS, "--step-log", str(logs / "steps.jsonl"),
-                        "--served-model-name", "tiny", api_key=API_KEY) as live:
+    command = serve_command(model_dir, *SERVER_ARGS, "--step-log", str(logs / "steps.jsonl"),
+                            "--served-model-name", "tiny")
+    with running_server(command, logs / "server.log", api_key=API_KEY) as live:
         live.step_log = logs / "steps.jsonl"
         yield live
 
@@ -236,9 +238,9 @@ def test_metrics_counters_agree_with_the_responses(server):
 
 
 def test_a_full_queue_gets_429_and_sigterm_finishes_what_runs(model_dir, tmp_path):
-    with running_server(model_dir, tmp_path / "server.log", *SERVER_ARGS[:2], "--max-batch-size", "1",
-                        "--max-queue", "1", "--max-seq-len", "512", "--served-model-name", "tiny",
-                        "--log-level", "warning") as live:
+    command = serve_command(model_dir, *SERVER_ARGS[:2], "--max-batch-size", "1", "--max-queue", "1",
+                            "--max-seq-len", "512", "--served-model-name", "tiny", "--log-level", "warning")
+    with running_server(command, tmp_path / "server.log") as live:
         client = live.client()
         first = client.completions.create(model="tiny", prompt="ROMEO:", max_tokens=400, temperature=0, stream=True,
                                           extra_body={"ignore_eos": True})

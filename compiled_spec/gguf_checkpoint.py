@@ -1,0 +1,149 @@
+"""A GGUF file (llama.cpp's format) -> the Hugging Face config dict and tensors that checkpoint.py loads.
+
+Read with the `gguf` package. Quantized tensors are dequantized to float32 here; the loader then casts
+them to the engine's dtype. llama.cpp's converter permutes the rows of llama-architecture Q and K
+projections (to interleave RoPE pairs); that permutation is undone so the weights are Hugging Face's again.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .errors import CompiledSpecError
+
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K")
+
+# GGUF metadata key (after "<arch>.") -> config.json key.
+CONFIG_KEYS = {
+    "context_length": "max_position_embeddings",
+    "embedding_length": "hidden_size",
+    "block_count": "num_hidden_layers",
+    "feed_forward_length": "intermediate_size",
+    "attention.head_count": "num_attention_heads",
+    "attention.head_count_kv": "num_key_value_heads",
+    "attention.key_length": "head_dim",
+    "attention.layer_norm_rms_epsilon": "rms_norm_eps",
+    "rope.freq_base": "rope_theta",
+    "vocab_size": "vocab_size",
+}
+
+# GGUF tensor name (in blk.N.) -> Hugging Face name (in model.layers.N.).
+LAYER_TENSORS = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+
+
+def is_gguf(path: Path) -> bool:
+    return path.suffix == ".gguf" and not path.is_dir()
+
+
+def _reader(path: Path):
+    from gguf import GGUFReader
+
+    if not path.is_file():
+        raise CompiledSpecError(f"GGUF file {str(path)!r} does not exist")
+    try:
+        return GGUFReader(str(path))
+    except Exception as error:  # gguf raises ValueError, struct.error or IndexError on a truncated file
+        raise CompiledSpecError(f"cannot read {path.name}: the GGUF file is truncated or corrupt ({error})") from None
+
+
+def field_value(reader, key: str, default=None):
+    field = reader.fields.get(key)
+    if field is None:
+        return default
+    value = field.contents()
+    return value
+
+
+def gguf_config(reader, path: Path) -> dict:
+    """config.json's keys, from the file's metadata."""
+    architecture = field_value(reader, "general.architecture")
+    if architecture not in ARCHITECTURES:
+        raise CompiledSpecError(
+            f"{path.name}: unsupported GGUF architecture {architecture!r}; supported: {', '.join(ARCHITECTURES)}"
+        )
+    config = {"architectures": [ARCHITECTURES[architecture]], "model_type": architecture}
+    for key, hf_key in CONFIG_KEYS.items():
+        value = field_value(reader, f"{architecture}.{key}")
+        if value is not None:
+            config[hf_key] = value
+    if "vocab_size" not in config:
+        config["vocab_size"] = len(field_value(reader, "tokenizer.ggml.tokens", []))
+    if "head_dim" not in config and "hidden_size" in config and "num_attention_heads" in config:
+        config["head_dim"] = config["hidden_size"] // config["num_attention_heads"]
+    names = {tensor.name for tensor in reader.tensors}
+    config["tie_word_embeddings"] = "output.weight" not in names
+    config["attention_bias"] = "blk.0.attn_q.bias" in names
+    for key, hf_key in (("tokenizer.ggml.eos_token_id", "eos_token_id"), ("tokenizer.ggml.bos_token_id", "bos_token_id")):
+        value = field_value(reader, key)
+        if value is not None:
+            config[hf_key] = int(value)
+    scaling = field_value(reader, f"{architecture}.rope.scaling.type")
+    if scaling not in (None, "none"):
+        factor = field_value(reader, f"{architecture}.rope.scaling.factor", 1.0)
+        config["rope_scaling"] = {"rope_type": scaling, "factor": float(factor)}
+    return config
+
+
+def hf_name(name: str) -> str | None:
+    stem, _, kind = name.rpartition(".")
+    if stem in GLOBAL_TENSORS:
+        return f"{GLOBAL_TENSORS[stem]}.{kind}"
+    parts = stem.split(".")
+    if len(parts) == 3 and parts[0] == "blk" and parts[2] in LAYER_TENSORS:
+        return f"model.layers.{parts[1]}.{LAYER_TENSORS[parts[2]]}.{kind}"
+    return None
+
+
+def unpermute_rows(weight: torch.Tensor, heads: int) -> torch.Tensor:
+    """Undoes llama.cpp's per-head (pair-interleaving) row permutation of a Q or K projection."""
+    rows = weight.shape[0]
+    return weight.reshape(heads, rows // heads // 2, 2, *weight.shape[1:]).transpose(1, 2).reshape(weight.shape)
+
+
+def read_gguf(path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
+    """(config.json dict, tensors under Hugging Face names, float32)."""
+    from gguf import GGMLQuantizationType, dequantize
+
+    reader = _reader(path)
+    config = gguf_config(reader, path)
+    allowed = {getattr(GGMLQuantizationType, name) for name in TENSOR_TYPES}
+    permuted = config["model_type"] == "llama"
+    tensors = {}
+    for tensor in reader.tensors:
+        name = hf_name(tensor.name)
+        if name is None:
+            continue
+        if tensor.tensor_type not in allowed:
+            raise CompiledSpecError(
+                f"{path.name}: tensor {tensor.name} has quantization type {tensor.tensor_type.name}, which is not "
+                f"supported; supported: {', '.join(TENSOR_TYPES)}"
+            )
+        try:
+            values = dequantize(tensor.data, tensor.tensor_type)
+        except Exception as error:
+            raise CompiledSpecError(f"{path.name}: cannot read tensor {tensor.name}; the file is truncated or "
+                                    f"corrupt ({error})") from None
+        weight = torch.from_numpy(np.array(values, dtype=np.float32))  # a copy: F32 data is a read-only memmap
+        if permuted and ".self_attn.q_proj." in name:
+            weight = unpermute_rows(weight, config["num_attention_heads"])
+        elif permuted and ".self_attn.k_proj." in name:
+            weight = unpermute_rows(weight, config.get("num_key_value_heads", config["num_attention_heads"]))
+        tensors[name] = weight
+    return config, tensors
