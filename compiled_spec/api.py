@@ -17,8 +17,8 @@ from .model.rope import rotary_tables
 from .params import RequestOutput, SamplingParams, SpecStats
 from .registry import resolve_model
 from .runtime.engine import Engine, Request, TokenCallback
-from .spec.state import DecodeState
-from .spec.step import StepConstants, make_layout
+from .speculative.state import DecodeState
+from .speculative.step import StepConstants, make_layout
 from .tokenizer import eos_token_ids, load_tokenizer
 
 DEFAULT_MODEL = Path(__file__).parent / "default_model"

@@ -62,7 +62,7 @@ MTP_LAYOUTS = (
     ),
 )
 
-_MAIN_KEY = re.compile(r"^(?:model\.)?(embed_tokens\..+|norm\..+|layers\.(?P<layer>\d+)\..+)$")
+MAIN_KEY = re.compile(r"^(?:model\.)?(embed_tokens\..+|norm\..+|layers\.(?P<layer>\d+)\..+)$")
 _EXPERT_KEY = re.compile(r"^(?P<prefix>.+\.mlp)\.experts\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
 
 
@@ -87,7 +87,7 @@ def checkpoint_dtype(path: Path) -> str | None:
     return raw.get("dtype") or raw.get("torch_dtype")
 
 
-def _safetensors_files(path: Path) -> list[Path]:
+def safetensors_files(path: Path) -> list[Path]:
     index = path / "model.safetensors.index.json"
     if index.is_file():
         try:
@@ -107,7 +107,7 @@ def _safetensors_files(path: Path) -> list[Path]:
 
 def read_tensors(path: Path) -> dict[str, torch.Tensor]:
     tensors = {}
-    for file in _safetensors_files(path):
+    for file in safetensors_files(path):
         try:
             with safe_open(str(file), framework="pt", device="cpu") as handle:
                 for key in handle.keys():
@@ -138,7 +138,7 @@ def _stack_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-def _mtp_target(key: str, num_layers: int) -> tuple[MtpLayout, int, str] | None:
+def mtp_target(key: str, num_layers: int) -> tuple[MtpLayout, int, str] | None:
     """(layout, module index, our name under mtp.{index}.) for an MTP key, '' to ignore it; None if not MTP."""
     for layout in MTP_LAYOUTS:
         match = layout.pattern.match(key)
@@ -164,13 +164,13 @@ def split_weights(tensors: dict[str, torch.Tensor], num_layers: int) -> tuple[di
     state: dict[str, torch.Tensor] = {}
     layouts_seen: dict[str, MtpLayout] = {}
     for key, tensor in tensors.items():
-        main = _MAIN_KEY.match(key)
+        main = MAIN_KEY.match(key)
         if key == "lm_head.weight":
             state[key] = tensor
         elif main and (main["layer"] is None or int(main["layer"]) < num_layers):
             state[main.group(1)] = tensor
         else:
-            target = _mtp_target(key, num_layers)
+            target = mtp_target(key, num_layers)
             if target is None or not target[2]:
                 continue
             layout, index, name = target

@@ -6,8 +6,8 @@ import dataclasses
 from dataclasses import fields
 
 from compiled_spec.runtime.graph_modes import StepRunner
-from compiled_spec.spec.state import DecodeState
-from compiled_spec.spec.step import speculative_step
+from compiled_spec.speculative.state import DecodeState
+from compiled_spec.speculative.step import speculative_step
 
 
 def step_with_positions_in_python(model, state, constants, batch_size):

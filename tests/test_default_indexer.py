@@ -8,7 +8,7 @@ import torch
 
 from compiled_spec import LLM, HiSparseConfig
 from compiled_spec.hisparse.indexer import LightningIndexer, attention_modules
-from compiled_spec.hisparse.train_indexer import capture, indexer_scores, key_scores, recall
+from compiled_spec.training.train_indexer import capture, indexer_scores, key_scores, recall
 
 HELD_OUT_TEXT = Path(__file__).parent / "data" / "macbeth_1_3.txt"
 WINDOW = 256

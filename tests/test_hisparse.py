@@ -418,7 +418,7 @@ def test_cli_bad_hisparse_options_are_one_error_line(tiny_checkpoint, args, name
     ("llama_mtp_indexed", ["mtp.0", "mtp.1"]),
 ])
 def test_trained_indexer_weights_are_named_in_the_checkpoint_layout(tiny_checkpoint, name, mtp_prefixes):
-    from compiled_spec.hisparse.train_indexer import checkpoint_prefixes
+    from compiled_spec.training.train_indexer import checkpoint_prefixes
 
     checkpoint = tiny_checkpoint(name)
     layers = checkpoint.model.config.num_hidden_layers

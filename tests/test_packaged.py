@@ -9,7 +9,7 @@ from compiled_spec import LLM
 from compiled_spec.config import GraphMode
 from compiled_spec.runtime.graph_modes import inductor_options
 from compiled_spec.runtime.packaged import model_digest, package_key
-from compiled_spec.spec.step import prefill, speculative_step
+from compiled_spec.speculative.step import prefill, speculative_step
 
 ENGINE = dict(num_speculative_tokens=2, max_batch_size=4, max_seq_len=32, warm_up=False)
 OPTIONS = inductor_options(GraphMode.FULL, torch.device("cpu"))

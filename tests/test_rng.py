@@ -5,8 +5,8 @@ import pytest
 import torch
 from scipy import stats
 
-from compiled_spec.spec import rng
-from compiled_spec.spec.sampler import race_sample
+from compiled_spec.speculative import rng
+from compiled_spec.speculative.sampler import race_sample
 
 ALPHA = 1e-4  # the streams are fixed, so these tests are deterministic; a good RNG passes with a wide margin
 

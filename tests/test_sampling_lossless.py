@@ -12,11 +12,11 @@ import pytest
 import torch
 from scipy import stats
 
-import compiled_spec.spec.step as step_module
+import compiled_spec.speculative.step as step_module
 from compiled_spec.api import LLM
 from compiled_spec.params import SamplingParams
-from compiled_spec.spec import rng
-from compiled_spec.spec.sampler import race_sample
+from compiled_spec.speculative import rng
+from compiled_spec.speculative.sampler import race_sample
 
 PROMPT = [4, 2, 3, 0]
 NUM_REQUESTS = 1000

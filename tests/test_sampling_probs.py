@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from compiled_spec.spec.sampler import _truncated_probs, sampling_probs
+from compiled_spec.speculative.sampler import _truncated_probs, sampling_probs
 
 VOCAB = 64
 ROWS = 3

@@ -19,7 +19,8 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from ..checkpoint import _safetensors_files, split_weights
+from ..checkpoint import safetensors_files, split_weights
+from ..gguf_checkpoint import is_gguf
 from ..errors import CompiledSpecError
 from ..model.rope import apply_rotary
 
@@ -60,9 +61,11 @@ def attention_modules(model) -> dict[str, nn.Module]:
 
 
 def read_indexer_weights(path: str | Path, num_layers: int) -> dict[str, dict[str, torch.Tensor]]:
-    """Indexer tensors of a checkpoint, by attention prefix: {'layers.0': {'wq.weight': ...}}."""
+    """Indexer tensors of a checkpoint, by attention prefix: {'layers.0': {'wq.weight': ...}}; none in a GGUF file."""
+    if is_gguf(Path(path)):
+        return {}
     tensors = {}
-    for file in _safetensors_files(Path(path)):
+    for file in safetensors_files(Path(path)):
         with safe_open(str(file), framework="pt", device="cpu") as handle:
             for key in handle.keys():
                 if INDEXER_KEY in key:

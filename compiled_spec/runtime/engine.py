@@ -20,8 +20,8 @@ from ..hisparse.indexer import index_key_dims
 from ..model.causal_lm import CausalLM
 from ..model.rope import rotary_tables
 from ..params import RequestOutput, SamplingParams
-from ..spec.state import DecodeState, move_slot
-from ..spec.step import StepConstants
+from ..speculative.state import DecodeState, move_slot
+from ..speculative.step import StepConstants
 from .buckets import checked_buckets, default_batch_buckets, default_prefill_buckets, pick_bucket
 from .graph_modes import StepRunner
 

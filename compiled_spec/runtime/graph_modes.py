@@ -26,8 +26,8 @@ from passes.manager import PassContext
 
 from ..config import GraphMode
 from ..model.causal_lm import CausalLM
-from ..spec.state import DecodeState
-from ..spec.step import StepConstants, prefill, speculative_step, state_writes
+from ..speculative.state import DecodeState
+from ..speculative.step import StepConstants, prefill, speculative_step, state_writes
 from .packaged import AheadOfTimeCompiled, model_digest
 
 # Every bucket of every engine in a process is a separate specialization of the same functions.

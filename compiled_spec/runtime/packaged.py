@@ -27,7 +27,7 @@ from torch.export.graph_signature import InputKind
 
 from passes.graph_inputs import named_inputs
 
-from ..spec.state import DecodeState
+from ..speculative.state import DecodeState
 
 PACKAGE_FOLDER = "compiled_spec_packages"
 _PROJECT_ROOT = Path(__file__).resolve().parents[2]

@@ -1,6 +1,6 @@
 """Trains lightning-indexer weights for a checkpoint by KL to its own dense attention.
 
-    python -m compiled_spec.hisparse.train_indexer [--model DIR] [--heads 4] [--dim 32] [--steps 300] [--init keys]
+    python -m compiled_spec.training.train_indexer [--model DIR] [--heads 4] [--dim 32] [--steps 300] [--init keys]
 
 The embedded model's indexer.safetensors came from `--init keys --steps 400`.
 
@@ -26,12 +26,12 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from ..api import DEFAULT_MODEL, LLM
-from ..checkpoint import _MAIN_KEY, _mtp_target, _safetensors_files
+from ..checkpoint import MAIN_KEY, mtp_target, safetensors_files
 from ..model.rope import apply_rotary
-from ..spec.state import DecodeState
-from ..spec.step import StepConstants, make_layout
-from ..training.corpus import fetch_texts_dir, read_works
-from .indexer import LightningIndexer, attention_modules
+from ..speculative.state import DecodeState
+from ..speculative.step import StepConstants, make_layout
+from .corpus import fetch_texts_dir, read_works
+from ..hisparse.indexer import LightningIndexer, attention_modules
 
 WORK_DIR = Path(".train_work")
 HELD_OUT = ("macbeth", "twelfth_night", "julius_caesar")
@@ -40,16 +40,16 @@ HELD_OUT = ("macbeth", "twelfth_night", "julius_caesar")
 def checkpoint_prefixes(path: Path, num_layers: int) -> dict[str, str]:
     """Our attention prefix ('layers.0', 'mtp.1.block') -> the checkpoint's ('model.layers.0', 'model.layers.7')."""
     out = {}
-    for file in _safetensors_files(path):
+    for file in safetensors_files(path):
         with safe_open(str(file), framework="pt", device="cpu") as handle:
             for key in handle.keys():
                 if not key.endswith(".self_attn.q_proj.weight"):
                     continue
                 raw = key[: -len(".self_attn.q_proj.weight")]
-                main = _MAIN_KEY.match(key)
+                main = MAIN_KEY.match(key)
                 if main and main["layer"] is not None and int(main["layer"]) < num_layers:
                     out[f"layers.{main['layer']}"] = raw
-                elif (target := _mtp_target(key, num_layers)) is not None:
+                elif (target := mtp_target(key, num_layers)) is not None:
                     out[f"mtp.{target[1]}.block"] = raw
     return out
 
@@ -205,7 +205,7 @@ def main() -> None:
         for name, tensor in indexer.state_dict().items():
             weights[f"{prefixes[prefix]}.self_attn.indexer.{name}"] = tensor.detach().contiguous()
     out = Path(args.out) if args.out else Path(args.model) / "indexer.safetensors"
-    save_file(weights, str(out), metadata={"format": "pt", "trained_by": "compiled_spec.hisparse.train_indexer",
+    save_file(weights, str(out), metadata={"format": "pt", "trained_by": "compiled_spec.training.train_indexer",
                                            "arguments": json.dumps(vars(args)), "held_out": json.dumps(report)})
     print(f"wrote {out}")
 
