@@ -80,6 +80,9 @@ def engine_options(command):
                      help="A checkpoint directory (config.json + *.safetensors), a .gguf file, or a model name "
                        "(smollm2-135m; fetched on first use, see 'compiled-spec fetch'). Default: the embedded "
                        "Shakespeare model."),
+        click.option("--mtp", type=click.Path(file_okay=False), default=None, metavar="DIR",
+                     help="MTP modules stored apart from the model (safetensors in any supported MTP layout); "
+                          "they replace the model's own."),
         click.option("-k", "--num-speculative-tokens", "num_speculative_tokens", type=int, default=None,
                      help=f"Tokens drafted per step by the MTP module(s), 0..{MAX_SPECULATIVE_TOKENS}; "
                           "0 turns speculation off.  [default: 3, or 0 for a model without MTP modules]"),
@@ -104,15 +107,15 @@ def engine_options(command):
     return command
 
 
-def make_llm(model, num_speculative_tokens, graph_mode, max_batch_size, max_seq_len, seed, hisparse, top_k_tokens,
-             hot_rows, cold_dtype, cold_pool):
+def make_llm(model, mtp, num_speculative_tokens, graph_mode, max_batch_size, max_seq_len, seed, hisparse,
+             top_k_tokens, hot_rows, cold_dtype, cold_pool):
     """The LLM engine_options ask for; bad input becomes an InputError (one `error:` line, exit 2)."""
     from compiled_spec import LLM, CompiledSpecError
 
     try:
         sparse = hisparse_config(hisparse, top_k_tokens, hot_rows, cold_dtype, cold_pool)
         return LLM(model, num_speculative_tokens=num_speculative_tokens, graph_mode=graph_mode,
-                   max_batch_size=max_batch_size, max_seq_len=max_seq_len, seed=seed, hisparse=sparse)
+                   max_batch_size=max_batch_size, max_seq_len=max_seq_len, seed=seed, hisparse=sparse, mtp=mtp)
     except CompiledSpecError as error:
         raise InputError(str(error)) from None
 
@@ -159,7 +162,7 @@ def main():
               help="Each PROMPT is a user message: apply the model's chat template and print only the answer.")
 @click.option("--json", "as_json", is_flag=True,
               help="Print one JSON object per prompt, then one with the aggregate (JSON lines).")
-def generate(prompts, prompt_ids, model, num_speculative_tokens, temperature, top_p, top_k, max_tokens, seed,
+def generate(prompts, prompt_ids, model, mtp, num_speculative_tokens, temperature, top_p, top_k, max_tokens, seed,
              graph_mode, max_batch_size, max_seq_len, stop, ignore_eos, chat, as_json, hisparse, top_k_tokens, hot_rows,
              cold_dtype, cold_pool):
     """Generate text for each PROMPT with MTP speculative decoding.
@@ -196,7 +199,7 @@ def generate(prompts, prompt_ids, model, num_speculative_tokens, temperature, to
                                 stop=[unescape(text) for text in stop] or None, ignore_eos=ignore_eos)
     except CompiledSpecError as error:
         raise InputError(str(error)) from None
-    llm = make_llm(model, num_speculative_tokens, graph_mode, max_batch_size, max_seq_len, seed, hisparse,
+    llm = make_llm(model, mtp, num_speculative_tokens, graph_mode, max_batch_size, max_seq_len, seed, hisparse,
                    top_k_tokens, hot_rows, cold_dtype, cold_pool)
     if llm.tokenizer is None and any(isinstance(p, str) for p in all_prompts):
         raise InputError(f"model {str(llm.path)!r} has no tokenizer; pass prompts as --prompt-ids 1,2,3")
@@ -258,7 +261,7 @@ def generate(prompts, prompt_ids, model, num_speculative_tokens, temperature, to
               help="Append one JSON line per decode step: the requests in the batch, drafts accepted, waiting.")
 @click.option("--log-level", "log_level", type=click.Choice(("critical", "error", "warning", "info", "debug")),
               default="info", show_default=True)
-def serve(model, num_speculative_tokens, graph_mode, max_batch_size, max_seq_len, seed, hisparse, top_k_tokens,
+def serve(model, mtp, num_speculative_tokens, graph_mode, max_batch_size, max_seq_len, seed, hisparse, top_k_tokens,
           hot_rows, cold_dtype, cold_pool, host, port, api_key, served_model_name, max_queue, max_request_bytes,
           shutdown_timeout, step_log, log_level):
     """Serve the model over HTTP with an OpenAI-compatible API.
@@ -285,7 +288,7 @@ def serve(model, num_speculative_tokens, graph_mode, max_batch_size, max_seq_len
     from compiled_spec.errors import CompiledSpecError
     from compiled_spec.server import ServerOptions, serve as run_server
 
-    llm = make_llm(model, num_speculative_tokens, graph_mode, max_batch_size, max_seq_len, seed, hisparse,
+    llm = make_llm(model, mtp, num_speculative_tokens, graph_mode, max_batch_size, max_seq_len, seed, hisparse,
                    top_k_tokens, hot_rows, cold_dtype, cold_pool)
     name = served_model_name or ("compiled-spec-default" if llm.path == DEFAULT_MODEL else llm.path.resolve().name)
     options = ServerOptions(model_name=name, api_key=api_key, max_queue=max_queue,

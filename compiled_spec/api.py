@@ -41,6 +41,7 @@ class LLM:
         warm_up: bool = True,
         show_progress: bool = True,
         hisparse: HiSparseConfig | None = None,
+        mtp: str | Path | None = None,
     ):
         self.path = resolve_model(model) or DEFAULT_MODEL
         self.config = EngineConfig(
@@ -55,7 +56,7 @@ class LLM:
             prefill_buckets=prefill_buckets,
             hisparse=hisparse,
         )
-        self.model = load_model(self.path, self.config.torch_dtype(), device)
+        self.model = load_model(self.path, self.config.torch_dtype(), device, mtp=mtp)
         self.model_config = self.model.config
         if num_speculative_tokens is None:  # as many as the default where the model can draft, else none
             self.config.num_speculative_tokens = 3 if self.model_config.num_mtp_modules else 0

@@ -195,11 +195,30 @@ def read_checkpoint(path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
     return read_config(path), read_tensors(path)
 
 
-def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu") -> CausalLM:
+def read_mtp_directory(path: Path, num_layers: int) -> tuple[dict, int, bool]:
+    """MTP modules stored apart from their base model (safetensors in any MTP layout), as split_weights returns."""
+    if not path.is_dir():
+        raise CompiledSpecError(f"MTP directory {str(path)!r} is not a directory")
+    state, num_mtp, hidden_first = split_weights(read_tensors(path), num_layers)
+    other = sorted(key for key in state if not key.startswith("mtp."))
+    if other:
+        raise CompiledSpecError(f"{str(path)!r} holds weights that are not MTP modules (e.g. {other[0]}); an MTP "
+                                "directory holds only MTP modules")
+    if num_mtp == 0:
+        raise CompiledSpecError(f"no MTP modules in {str(path)!r}; expected keys like mtp.0.eh_proj.weight")
+    return state, num_mtp, hidden_first
+
+
+def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu",
+               mtp: str | Path | None = None) -> CausalLM:
+    """The model at `path`; with `mtp`, the MTP modules come from that directory instead of the checkpoint."""
     path = Path(path)
     raw_config, tensors = read_checkpoint(path)
     config = ModelConfig.from_hf(raw_config)
     state, num_mtp, hidden_first = split_weights(tensors, config.num_hidden_layers)
+    if mtp is not None:
+        mtp_state, num_mtp, hidden_first = read_mtp_directory(Path(mtp), config.num_hidden_layers)
+        state = {**{k: v for k, v in state.items() if not k.startswith("mtp.")}, **mtp_state}
     config.num_mtp_modules = num_mtp
     with torch.device("meta"):
         model = CausalLM(config, mtp_hidden_first=hidden_first)
