@@ -108,14 +108,15 @@ def engine_options(command):
 
 
 def make_llm(model, mtp, num_speculative_tokens, graph_mode, max_batch_size, max_seq_len, seed, hisparse,
-             top_k_tokens, hot_rows, cold_dtype, cold_pool):
+             top_k_tokens, hot_rows, cold_dtype, cold_pool, warm_up=True):
     """The LLM engine_options ask for; bad input becomes an InputError (one `error:` line, exit 2)."""
     from compiled_spec import LLM, CompiledSpecError
 
     try:
         sparse = hisparse_config(hisparse, top_k_tokens, hot_rows, cold_dtype, cold_pool)
         return LLM(model, num_speculative_tokens=num_speculative_tokens, graph_mode=graph_mode,
-                   max_batch_size=max_batch_size, max_seq_len=max_seq_len, seed=seed, hisparse=sparse, mtp=mtp)
+                   max_batch_size=max_batch_size, max_seq_len=max_seq_len, seed=seed, hisparse=sparse, mtp=mtp,
+                   warm_up=warm_up)
     except CompiledSpecError as error:
         raise InputError(str(error)) from None
 
@@ -289,7 +290,7 @@ def serve(model, mtp, num_speculative_tokens, graph_mode, max_batch_size, max_se
     from compiled_spec.server import ServerOptions, serve as run_server
 
     llm = make_llm(model, mtp, num_speculative_tokens, graph_mode, max_batch_size, max_seq_len, seed, hisparse,
-                   top_k_tokens, hot_rows, cold_dtype, cold_pool)
+                   top_k_tokens, hot_rows, cold_dtype, cold_pool, warm_up=False)  # the engine thread warms up
     name = served_model_name or ("compiled-spec-default" if llm.path == DEFAULT_MODEL else llm.path.resolve().name)
     options = ServerOptions(model_name=name, api_key=api_key, max_queue=max_queue,
                             max_request_bytes=max_request_bytes, step_log=step_log)

@@ -55,6 +55,7 @@ def create_app(llm: LLM, options: ServerOptions) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         loop.start()
+        await asyncio.to_thread(loop.wait_ready)
         yield
         loop.stop()  # uvicorn has let in-flight responses finish (or cut them at its timeout); abort the rest
 

@@ -67,9 +67,17 @@ class EngineLoop:
         self._steps = 0
         self._step_log = open(step_log, "a", buffering=1) if step_log else None
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._ready = threading.Event()
+        self._warm_up_error: BaseException | None = None
 
     def start(self) -> None:
         self._thread.start()
+
+    def wait_ready(self) -> None:
+        """Blocks until the engine is warm (every bucket compiled or captured); re-raises a warm-up failure."""
+        self._ready.wait()
+        if self._warm_up_error is not None:
+            raise self._warm_up_error
 
     @property
     def alive(self) -> bool:
@@ -102,6 +110,15 @@ class EngineLoop:
             self._step_log.close()
 
     def _run(self) -> None:
+        # Warm up here, not in the thread that built the engine: CUDA graph trees belong to the thread that
+        # recorded them, so graphs must be captured where they are replayed.
+        try:
+            self.engine.warm_up()
+        except BaseException as error:
+            self._warm_up_error = error
+            return
+        finally:
+            self._ready.set()
         while True:
             idle = not self._waiting and not self.engine.slots
             if not self._handle_inbox(block=idle):
