@@ -8,7 +8,8 @@ the level's wall time, time to first token and inter-token latency (between stre
 speculative step can stream several tokens in one chunk) p50/p99, per-request decode rate, acceptance
 per draft position (from the responses' usage), and errors. With --llama-cpp-gguf FILE, llama.cpp's
 OpenAI-compatible server (`python -m llama_cpp.server`, when llama-cpp-python is installed) runs the same
-load beside it; it is skipped with the reason otherwise. Writes OUT/serve.json and OUT/serve.md.
+load beside it; it is skipped with the reason otherwise. Writes OUT/serve.json, OUT/serve.md and the servers'
+logs in OUT/logs/.
 """
 
 from __future__ import annotations
@@ -121,9 +122,15 @@ def servers(args) -> list[tuple[str, list[str] | None, str, str]]:
         listed.append(("llama.cpp server", None, "", "llama-cpp-python is not installed"))
     else:
         command = [sys.executable, "-m", "llama_cpp.server", "--model", args.llama_cpp_gguf, "--host", "127.0.0.1",
-                   "--port", "{port}", "--n_ctx", str(args.max_seq_len), "--model_alias", "bench"]
+                   "--port", "{port}", "--n_ctx", str(args.max_seq_len), "--model_alias", "bench",
+                   "--n_threads", str(args.threads),
+                   "--interrupt_requests", "False"]  # its default: a new request cancels the one streaming
         listed.append(("llama.cpp server", command, "bench", ""))
     return listed
+
+
+def latency_pair(values: dict | None) -> str:
+    return "–" if not values else f"{values['p50']:.1f} / {values['p99']:.1f}"
 
 
 def markdown(results: dict) -> str:
@@ -135,15 +142,14 @@ def markdown(results: dict) -> str:
             lines.append(f"| {server['name']} | skipped: {server['skipped']} | | | | | | | | |")
             continue
         for level in server["levels"]:
-            def pair(values):
-                return "–" if not values else f"{values['p50']:.1f} / {values['p99']:.1f}"
             rates = level.get("acceptance_rate_per_position")
-            lines.append(
-                f"| {server['name']} | {level['concurrency']} | {level['requests']} | {level['errors']} | "
-                f"{level['output_tokens_per_s']:.1f} | {pair(level['ttft_ms'])} | {pair(level['itl_ms'])} | "
-                f"{level['decode_tokens_per_s_per_request_p50'] or 0:.1f} | "
-                f"{' '.join(f'{r:.0%}' for r in rates) if rates else '–'} | "
-                f"{level.get('mean_accepted_length') or 0:.2f} |")
+            tokens_per_step = level.get("mean_accepted_length")
+            cells = [server["name"], level["concurrency"], level["requests"], level["errors"],
+                     f"{level['output_tokens_per_s']:.1f}", latency_pair(level["ttft_ms"]), latency_pair(level["itl_ms"]),
+                     f"{level['decode_tokens_per_s_per_request_p50'] or 0:.1f}",
+                     " ".join(f"{r:.0%}" for r in rates) if rates else "–",
+                     f"{tokens_per_step:.2f}" if tokens_per_step else "–"]
+            lines.append("| " + " | ".join(map(str, cells)) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -158,6 +164,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-batch-size", type=int, default=16)
     parser.add_argument("--max-seq-len", type=int, default=160)
     parser.add_argument("--llama-cpp-gguf", default=None, help="GGUF of the same model for llama.cpp's server.")
+    parser.add_argument("--threads", type=int, default=2, help="CPU threads of each server.")
     parser.add_argument("--out", default="bench_out/serve")
     args = parser.parse_args(argv)
     levels = [int(part) for part in args.concurrency.split(",") if part]
@@ -172,7 +179,10 @@ def main(argv: list[str] | None = None) -> None:
             results["servers"].append({"name": name, "skipped": reason})
             continue
         health = "/v1/models" if "llama_cpp.server" in command else "/health"
-        with running_server(command, out / f"{name.split()[0]}.log", health=health, startup_timeout_s=3600) as live:
+        env = {"OMP_NUM_THREADS": str(args.threads)}
+        (out / "logs").mkdir(exist_ok=True)
+        with running_server(command, out / "logs" / f"{name.split()[0]}.log", health=health, startup_timeout_s=3600,
+                            env=env) as live:
             client = live.client()
             one_request(client, model, DEFAULT_TEXT_PROMPTS[0], 8, True)  # warm: first-request costs out of the way
             server = {"name": name, "levels": []}

@@ -266,3 +266,19 @@ def test_chat_without_a_template_is_a_clear_error(offline):
     assert caught.value.param == "messages"
     with pytest.raises(CompiledSpecError, match=r"messages\[0\]"):
         chat_prompt(offline.tokenizer, [{"role": "wizard", "content": "hi"}])
+
+
+def test_the_serve_benchmark_runs_its_levels_without_errors(model_dir, tmp_path):
+    from benchmarks.serve import main
+
+    main(["--model", str(model_dir), "-k", "2", "--graph-mode", "eager", "--concurrency", "1,3", "--duration", "1",
+          "--max-tokens", "8", "--max-batch-size", "2", "--max-seq-len", "64", "--out", str(tmp_path)])
+    results = json.loads((tmp_path / "serve.json").read_text())
+    ours, llama_cpp = results["servers"]
+    assert [level["concurrency"] for level in ours["levels"]] == [1, 3]
+    for level in ours["levels"]:
+        assert level["errors"] == 0 and level["requests"] > 0
+        assert level["output_tokens"] == 8 * level["requests"]
+        assert len(level["acceptance_rate_per_position"]) == 2 and level["ttft_ms"]["p50"] > 0
+    assert llama_cpp["skipped"].startswith("no --llama-cpp-gguf")
+    assert "| compiled-spec (k=2, eager) | 3 |" in (tmp_path / "serve.md").read_text()
