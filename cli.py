@@ -354,7 +354,9 @@ def name_list(allowed: tuple[str, ...], none_ok: bool = False):
     return parse
 
 
-ANCHORS = ("hf-eager", "hf-static", "hf-mtp")  # mirrors benchmarks.anchors.ANCHORS; a test keeps them equal
+# Mirror benchmarks.anchors.ANCHORS and DEFAULT_ANCHORS; a test keeps them equal.
+ANCHORS = ("hf-eager", "hf-static", "hf-mtp", "llama-cpp", "llama-cpp-f32")
+DEFAULT_ANCHORS = ("hf-eager", "hf-static", "hf-mtp")
 
 
 @main.command()
@@ -367,8 +369,11 @@ ANCHORS = ("hf-eager", "hf-static", "hf-mtp")  # mirrors benchmarks.anchors.ANCH
               help="Comma-separated values of k; 0 is plain decoding.")
 @click.option("--batch-sizes", "batch_sizes", default="1", show_default=True, callback=int_list,
               help="Comma-separated max batch sizes (prompts decoded together).")
-@click.option("--anchors", default=",".join(ANCHORS), show_default=True, callback=name_list(ANCHORS, none_ok=True),
-              help="transformers baselines run at each batch size, or none.")
+@click.option("--anchors", default=",".join(DEFAULT_ANCHORS), show_default=True,
+              callback=name_list(ANCHORS, none_ok=True),
+              help="Baselines run at each batch size, or none: transformers (hf-eager, hf-static, hf-mtp) and, "
+                   "for a GGUF model with llama-cpp-python installed, llama.cpp on the file as it is (llama-cpp) "
+                   "and dequantized to F32 (llama-cpp-f32; batch size 1).")
 @click.option("--out", type=click.Path(file_okay=False), default="bench_out", show_default=True,
               help="Where results.json, results.md, the plots and the cell logs go.")
 @click.option("--max-tokens", "max_tokens", type=click.IntRange(1), default=128, show_default=True,

@@ -3,7 +3,10 @@
 - hf-eager:  transformers `generate`, eager, dynamic cache;
 - hf-static: transformers `generate(cache_implementation="static")` with its own torch.compile of the forward
   (CompileConfig as transformers ships it; `_compile_all_devices` because generate compiles only on GPUs);
-- hf-mtp:    transformers `generate(use_mtp=True)`: assisted generation drafting with the checkpoint's MTP layers.
+- hf-mtp:    transformers `generate(use_mtp=True)`: assisted generation drafting with the checkpoint's MTP layers;
+- llama-cpp, llama-cpp-f32: llama.cpp on a GGUF model (benchmarks/llama_cpp_anchor.py).
+
+A GGUF model is loaded into transformers with `from_pretrained(folder, gguf_file=name)`.
 
 Batches are left-padded to their longest prompt; for hf-static to the longest prompt of the whole workload,
 so the static cache and the compiled forward keep one shape. Runs in a worker process.
@@ -13,20 +16,26 @@ from __future__ import annotations
 
 import re
 import time
+from pathlib import Path
 
+from .llama_cpp_anchor import LLAMA_CPP_ANCHORS, measure_llama_cpp
+from .llama_cpp_anchor import unavailable_reason as llama_cpp_unavailable
 from .workload import digest
 
 # torch and transformers are imported inside the functions: the sweep process reads ANCHORS without them.
 
-ANCHORS = ("hf-eager", "hf-static", "hf-mtp")
+ANCHORS = ("hf-eager", "hf-static", "hf-mtp", *LLAMA_CPP_ANCHORS)
+DEFAULT_ANCHORS = ("hf-eager", "hf-static", "hf-mtp")
 
 
 class Unavailable(Exception):
     """The anchor cannot run on this checkpoint or batch size; the message says why."""
 
 
-def unavailable_reason(name: str, batch_size: int) -> str | None:
+def unavailable_reason(name: str, batch_size: int, model: str) -> str | None:
     """Known before starting a process."""
+    if name in LLAMA_CPP_ANCHORS:
+        return llama_cpp_unavailable(name, batch_size, model)
     if name == "hf-mtp" and batch_size != 1:
         return "transformers assisted generation (use_mtp=True) supports batch size 1 only"
     return None
@@ -36,7 +45,12 @@ def load_model(path: str):
     import torch
     import transformers
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    if path.endswith(".gguf"):
+        file = Path(path)
+        model = transformers.AutoModelForCausalLM.from_pretrained(str(file.parent), gguf_file=file.name,
+                                                                  dtype=torch.float32).eval()
+    else:
+        model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     # Generate exactly max_new_tokens, like the engine cells with ignore_eos: EOS is an ordinary token.
     model.generation_config.eos_token_id = None
     return model
@@ -91,7 +105,9 @@ def measure_anchor(spec: dict) -> dict:
     from transformers import CompileConfig
 
     name, batch_size, max_tokens = spec["anchor"], spec["batch_size"], spec["max_tokens"]
-    reason = unavailable_reason(name, batch_size)
+    if name in LLAMA_CPP_ANCHORS:
+        return measure_llama_cpp(spec)
+    reason = unavailable_reason(name, batch_size, spec["model"])
     if reason:
         raise Unavailable(reason)
     start = time.perf_counter()

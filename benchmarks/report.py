@@ -134,7 +134,7 @@ def plot_tokens_per_s(results: dict, path: Path) -> list[Path]:
                       if r["graph_mode"] == mode and r["batch_size"] == batch}
             xs = [position + (index - (len(modes) - 1) / 2) * width for position, k in enumerate(ks) if k in values]
             axis.bar(xs, [values[k] for k in ks if k in values], width, label=mode)
-        for style, anchor in zip(("--", ":", "-."), ANCHORS):
+        for style, anchor in zip(("--", ":", "-.", (0, (1, 3)), (0, (6, 2))), ANCHORS):
             match = [r for r in anchor_records(results)
                      if r["anchor"] == anchor and r["batch_size"] == batch and r["status"] == "ok"]
             if match:

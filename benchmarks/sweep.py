@@ -19,6 +19,8 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
+from compiled_spec.gguf_checkpoint import is_gguf
+
 from . import environment, report
 from .anchors import ANCHORS, unavailable_reason
 from .workload import auto_max_seq_len, prompt_token_ids
@@ -125,8 +127,8 @@ def compare(records: list[dict]) -> None:
 
 def run_sweep(options: SweepOptions) -> dict:
     """Runs every cell and writes the outputs; a ValueError names bad input found before any cell ran."""
-    if not (options.model / "config.json").is_file():
-        raise ValueError(f"{options.model} has no config.json; pass a checkpoint directory with --model")
+    if not (options.model / "config.json").is_file() and not is_gguf(options.model):
+        raise ValueError(f"{options.model} has no config.json; pass a checkpoint directory or a .gguf file with --model")
     prompt_ids = prompt_token_ids(options.model, options.prompts)
     max_seq_len = options.max_seq_len or auto_max_seq_len(prompt_ids, options.max_tokens)
     cells = plan(options, prompt_ids, max_seq_len)
@@ -157,7 +159,8 @@ def run_sweep(options: SweepOptions) -> dict:
     try:
         for spec in bar:
             bar.set_postfix_str(spec["name"])
-            reason = unavailable_reason(spec["anchor"], spec["batch_size"]) if spec["kind"] == "anchor" else None
+            reason = (unavailable_reason(spec["anchor"], spec["batch_size"], spec["model"])
+                      if spec["kind"] == "anchor" else None)
             if reason:
                 result = {"status": "unavailable", "reason": reason}
             else:

@@ -1,12 +1,13 @@
 """`compiled-spec bench` end to end on a tiny checkpoint: two eager cells and one anchor, each in its own process."""
 
+import importlib.util
 import json
 
 import pytest
 from click.testing import CliRunner
 
 import cli
-from benchmarks.anchors import ANCHORS
+from benchmarks.anchors import ANCHORS, DEFAULT_ANCHORS
 
 
 @pytest.fixture(scope="module")
@@ -88,4 +89,29 @@ def test_bench_rejects_an_unknown_graph_mode():
 
 
 def test_cli_anchor_names_mirror_the_benchmarks():
-    assert cli.ANCHORS == ANCHORS
+    assert cli.ANCHORS == ANCHORS and cli.DEFAULT_ANCHORS == DEFAULT_ANCHORS
+
+
+def test_bench_on_a_gguf_file_runs_transformers_and_llama_cpp_anchors(tmp_path):
+    from tiny_gguf import write_gguf
+
+    path, _ = write_gguf(tmp_path, "llama", "Q8_0")
+    out = tmp_path / "bench"
+    result = CliRunner().invoke(cli.main, [
+        "bench", "--model", str(path), "--graph-modes", "eager", "-k", "0", "--batch-sizes", "1,2",
+        "--anchors", "hf-eager,llama-cpp,llama-cpp-f32", "--max-tokens", "8", "--threads", "1", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    for record in records(out, kind="engine"):
+        assert record["status"] == "ok" and record["outputs_equal_to_hf_eager"] == record["requests"] == 8
+    (hf,) = records(out, name="hf-eager b=1")
+    for name in ("llama-cpp b=1", "llama-cpp-f32 b=1"):
+        (anchor,) = records(out, name=name)
+        if importlib.util.find_spec("llama_cpp") is None:
+            assert anchor["status"] == "unavailable" and "llama-cpp-python is not installed" in anchor["reason"]
+        else:
+            assert anchor["status"] == "ok" and anchor["generated_tokens"] == 8 * 8
+            if name == "llama-cpp-f32 b=1":  # the same F32 weights: the same greedy tokens as transformers
+                assert anchor["output_digests"] == hf["output_digests"]
+                assert (tmp_path / "model.F32.gguf").stat().st_size > path.stat().st_size
+    (batched,) = records(out, name="llama-cpp b=2")
+    assert batched["status"] == "unavailable"

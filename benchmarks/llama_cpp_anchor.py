@@ -1,0 +1,109 @@
+"""llama.cpp as a bench anchor, through llama-cpp-python, on the same GGUF file and prompt token ids:
+
+- llama-cpp:     the file as it is (e.g. SmolLM2's Q4_1, llama.cpp's quantized kernels);
+- llama-cpp-f32: the same weights dequantized to F32 (what this engine computes in), a GGUF written once
+                 beside the original with the gguf package: every metadata field copied, every tensor F32.
+
+Greedy (top_k=1), EOS ignored: exactly max_tokens tokens per prompt, one prompt at a time (llama-cpp-python
+decodes one sequence per context). Runs in a worker process.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import time
+from pathlib import Path
+
+from .workload import digest
+
+LLAMA_CPP_ANCHORS = ("llama-cpp", "llama-cpp-f32")
+
+
+def unavailable_reason(name: str, batch_size: int, model: str) -> str | None:
+    if importlib.util.find_spec("llama_cpp") is None:
+        return "llama-cpp-python is not installed (pip install llama-cpp-python builds it from source)"
+    if not model.endswith(".gguf"):
+        return "llama.cpp needs a GGUF file; this model is a checkpoint directory"
+    if batch_size != 1:
+        return "llama-cpp-python decodes one sequence at a time (batch size 1 only)"
+    return None
+
+
+def f32_copy(path: Path) -> Path:
+    """`path` with every tensor dequantized to F32, written once beside it (NAME.F32.gguf)."""
+    import numpy as np
+    from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter, dequantize
+
+    target = path.with_name(path.stem + ".F32.gguf")
+    if target.is_file():
+        return target
+    reader = GGUFReader(str(path))
+    architecture = reader.fields["general.architecture"].contents()
+    partial = target.with_suffix(".partial")
+    writer = GGUFWriter(str(partial), architecture)
+    for name, field in reader.fields.items():
+        if name.startswith("GGUF.") or name == "general.architecture":
+            continue  # written by the writer itself
+        value = field.contents()
+        if name == "general.file_type":
+            value = 0  # ALL_F32
+        kind = field.types[0]
+        if kind == GGUFValueType.ARRAY:
+            writer.add_key_value(name, value, kind, sub_type=field.types[-1])
+        else:
+            writer.add_key_value(name, value, kind)
+    for tensor in reader.tensors:
+        values = np.array(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
+        writer.add_tensor(tensor.name, values, raw_dtype=GGMLQuantizationType.F32)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    os.replace(partial, target)
+    return target
+
+
+def measure_llama_cpp(spec: dict) -> dict:
+    from llama_cpp import Llama
+
+    from .anchors import Unavailable
+
+    name, max_tokens = spec["anchor"], spec["max_tokens"]
+    reason = unavailable_reason(name, spec["batch_size"], spec["model"])
+    if reason:
+        raise Unavailable(reason)
+    start = time.perf_counter()
+    path = Path(spec["model"])
+    if name == "llama-cpp-f32":
+        path = f32_copy(path)
+    threads = spec.get("threads") or len(os.sched_getaffinity(0))
+    longest = max(len(ids) for ids in spec["prompt_ids"])
+    llm = Llama(model_path=str(path), n_ctx=longest + max_tokens + 8, n_threads=threads, n_threads_batch=threads,
+                n_batch=512, verbose=False)
+
+    def generate(prompt_ids: list[int]) -> list[int]:
+        tokens = []
+        for token in llm.generate(prompt_ids, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0,
+                                  reset=True):
+            tokens.append(token)
+            if len(tokens) == max_tokens:
+                break
+        return tokens
+
+    warm = time.perf_counter()
+    generate(spec["prompt_ids"][0][:4])
+    record = {"warmup_s": time.perf_counter() - warm, "setup_s": time.perf_counter() - start,
+              "settings": {"gguf": path.name, "n_threads": threads}}
+    best = None
+    for _ in range(spec["repeats"]):
+        begin = time.perf_counter()
+        outputs = [generate(ids) for ids in spec["prompt_ids"]]
+        elapsed = time.perf_counter() - begin
+        if best is None or elapsed < best[0]:
+            best = (elapsed, outputs)
+    elapsed, outputs = best
+    generated = sum(len(tokens) for tokens in outputs)
+    record.update(tokens_per_s=generated / elapsed, generated_tokens=generated, requests=len(outputs),
+                  elapsed_s=elapsed, output_digests=[digest(tokens) for tokens in outputs])
+    return record
