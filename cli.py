@@ -78,8 +78,8 @@ def engine_options(command):
     options = [
         click.option("-m", "--model", type=click.Path(), default=None,
                      help="A checkpoint directory (config.json + *.safetensors), a .gguf file, or a model name "
-                       "(smollm2-135m; fetched on first use, see 'compiled-spec fetch'). Default: the embedded "
-                       "Shakespeare model."),
+                          "(smollm2-135m; fetched on first use, see 'compiled-spec fetch'). Default: the embedded "
+                          "Shakespeare model."),
         click.option("--mtp", type=click.Path(file_okay=False), default=None, metavar="DIR",
                      help="MTP modules stored apart from the model (safetensors in any supported MTP layout); "
                           "they replace the model's own."),
@@ -89,10 +89,11 @@ def engine_options(command):
         click.option("--seed", type=click.IntRange(0, 2**32 - 1), default=0, show_default=True,
                      help="Base seed for sampling; each prompt gets its own seed derived from it."),
         click.option("--graph-mode", "graph_mode", type=click.Choice(GRAPH_MODES), default=None,
-                     help="eager: no compilation; compile: torch.compile; piecewise: compiled pieces, attention outside; "
-                          "full: the whole speculative step as one graph (max-autotune; cudagraphs on CUDA; on CPU "
-                          "compiled once per model and configuration, minutes, and saved under TORCHINDUCTOR_CACHE_DIR, "
-                          "later runs load it in about a second). Default: full on CUDA, eager on CPU."),
+                     help="eager: no compilation; compile: torch.compile; piecewise: compiled pieces, attention "
+                          "outside; full: the whole speculative step as one graph (max-autotune; cudagraphs on CUDA; "
+                          "on CPU compiled once per model and configuration, minutes, and saved under "
+                          "TORCHINDUCTOR_CACHE_DIR, later runs load it in about a second). Default: full on CUDA, "
+                          "eager on CPU."),
         click.option("--max-batch-size", "max_batch_size", type=int, default=8, show_default=True,
                      help="Prompts decoded together; more prompts wait for a free slot."),
         click.option("--max-seq-len", "max_seq_len", type=int, default=512, show_default=True,
@@ -250,8 +251,8 @@ def generate(prompts, prompt_ids, model, mtp, num_speculative_tokens, temperatur
               help="Every /v1 route then needs 'Authorization: Bearer KEY'. Also read from "
                    "$COMPILED_SPEC_API_KEY.")
 @click.option("--served-model-name", "served_model_name", default=None, metavar="NAME",
-              help="The model name clients send. Default: the checkpoint folder's name (compiled-spec-default "
-                   "for the embedded model).")
+              help="The model name clients send. Default: the --model name (smollm2-135m), else the checkpoint "
+                   "folder's or file's name (compiled-spec-default for the embedded model).")
 @click.option("--max-queue", "max_queue", type=click.IntRange(1), default=64, show_default=True,
               help="Requests waiting for a slot, at most; past that a request gets 429 with Retry-After.")
 @click.option("--max-request-bytes", "max_request_bytes", type=click.IntRange(1024), default=1 << 20,
@@ -287,11 +288,17 @@ def serve(model, mtp, num_speculative_tokens, graph_mode, max_batch_size, max_se
     """
     from compiled_spec.api import DEFAULT_MODEL
     from compiled_spec.errors import CompiledSpecError
+    from compiled_spec.registry import MODELS
     from compiled_spec.server import ServerOptions, serve as run_server
 
     llm = make_llm(model, mtp, num_speculative_tokens, graph_mode, max_batch_size, max_seq_len, seed, hisparse,
                    top_k_tokens, hot_rows, cold_dtype, cold_pool, warm_up=False)  # the engine thread warms up
-    name = served_model_name or ("compiled-spec-default" if llm.path == DEFAULT_MODEL else llm.path.resolve().name)
+    if served_model_name:
+        name = served_model_name
+    elif llm.path == DEFAULT_MODEL:
+        name = "compiled-spec-default"
+    else:  # a registry name as given, else the checkpoint folder's or file's name
+        name = model if model in MODELS else llm.path.resolve().name
     options = ServerOptions(model_name=name, api_key=api_key, max_queue=max_queue,
                             max_request_bytes=max_request_bytes, step_log=step_log)
     click.echo(f"serving {name!r} (k={llm.num_speculative_tokens}, {llm.config.graph_mode.value}, "

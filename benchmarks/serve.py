@@ -145,7 +145,8 @@ def markdown(results: dict) -> str:
             rates = level.get("acceptance_rate_per_position")
             tokens_per_step = level.get("mean_accepted_length")
             cells = [server["name"], level["concurrency"], level["requests"], level["errors"],
-                     f"{level['output_tokens_per_s']:.1f}", latency_pair(level["ttft_ms"]), latency_pair(level["itl_ms"]),
+                     f"{level['output_tokens_per_s']:.1f}", latency_pair(level["ttft_ms"]),
+                     latency_pair(level["itl_ms"]),
                      f"{level['decode_tokens_per_s_per_request_p50'] or 0:.1f}",
                      " ".join(f"{r:.0%}" for r in rates) if rates else "–",
                      f"{tokens_per_step:.2f}" if tokens_per_step else "–"]

@@ -15,7 +15,8 @@ def chat_prompt(tokenizer, messages: list[dict]) -> str:
     if not isinstance(messages, list) or not messages:
         raise CompiledSpecError("messages must be a non-empty list of {'role', 'content'} objects", param="messages")
     for number, message in enumerate(messages):
-        if not isinstance(message, dict) or message.get("role") not in ROLES or not isinstance(message.get("content"), str):
+        well_formed = isinstance(message, dict) and isinstance(message.get("content"), str)
+        if not well_formed or message.get("role") not in ROLES:
             raise CompiledSpecError(
                 f"messages[{number}] must have a role ({', '.join(ROLES)}) and text content, got {message!r}",
                 param=f"messages.{number}",

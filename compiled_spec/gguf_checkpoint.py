@@ -65,10 +65,7 @@ def _reader(path: Path):
 
 def field_value(reader, key: str, default=None):
     field = reader.fields.get(key)
-    if field is None:
-        return default
-    value = field.contents()
-    return value
+    return default if field is None else field.contents()
 
 
 def gguf_config(reader, path: Path) -> dict:
@@ -90,8 +87,8 @@ def gguf_config(reader, path: Path) -> dict:
     names = {tensor.name for tensor in reader.tensors}
     config["tie_word_embeddings"] = "output.weight" not in names
     config["attention_bias"] = "blk.0.attn_q.bias" in names
-    for key, hf_key in (("tokenizer.ggml.eos_token_id", "eos_token_id"), ("tokenizer.ggml.bos_token_id", "bos_token_id")):
-        value = field_value(reader, key)
+    for hf_key in ("eos_token_id", "bos_token_id"):
+        value = field_value(reader, f"tokenizer.ggml.{hf_key}")
         if value is not None:
             config[hf_key] = int(value)
     scaling = field_value(reader, f"{architecture}.rope.scaling.type")

@@ -35,7 +35,8 @@ def llama_cpp_name(name: str) -> str:
 
 def permute_rows(weight: np.ndarray, heads: int) -> np.ndarray:
     """llama.cpp's convert_hf_to_gguf permutation of llama Q/K rows."""
-    return weight.reshape(heads, 2, weight.shape[0] // heads // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+    rows = weight.shape[0]
+    return weight.reshape(heads, 2, rows // heads // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
 
 
 def write_gguf(directory: Path, architecture: str = "llama", tensor_type: str = "F32", seed: int = 0,
