@@ -172,6 +172,7 @@ class EngineLoop:
                 self._fail(pending, f"decode step failed: {error}")
             return
         self._steps += 1
+        self.metrics.record_step([accepted for _, accepted in record.lanes])
         if self._step_log:
             self._step_log.write(json.dumps({
                 "step": self._steps, "time": time.time(), "lanes": [index for index, _ in record.lanes],

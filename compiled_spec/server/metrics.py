@@ -1,8 +1,8 @@
 """Prometheus metrics of the server, named as vLLM's under this project's prefix (`vllm:` -> `compiled_spec:`),
 so dashboards built for vLLM's speculative-decoding panels translate by renaming the prefix.
 
-Speculation counters are added when a request ends (finished or aborted), from the same SpecStats its
-response's usage reports, so the counters always equal the sum of the per-request statistics.
+Speculation counters advance every step, lane by lane, by the same rule SpecStats.record applies to each
+request, so once requests have ended the counters equal the sum of their responses' usage.
 """
 
 from __future__ import annotations
@@ -51,14 +51,20 @@ class ServerMetrics:
                      "e2e_latency", "time_to_first_token", "inter_token_latency", "running", "waiting"):
             setattr(self, name, getattr(self, name).labels(model_name))
         self._per_pos = [self.accepted_per_pos.labels(model_name, str(p)) for p in range(num_speculative_tokens)]
+        self.num_speculative_tokens = num_speculative_tokens
+
+    def record_step(self, accepted_per_lane: list[int]) -> None:
+        """One verify step: each lane drafted k tokens and accepted a prefix of them."""
+        if self.num_speculative_tokens == 0:
+            return
+        self.num_drafts.inc(len(accepted_per_lane))
+        self.num_draft_tokens.inc(self.num_speculative_tokens * len(accepted_per_lane))
+        self.num_accepted_tokens.inc(sum(accepted_per_lane))
+        for accepted in accepted_per_lane:
+            for position in range(accepted):
+                self._per_pos[position].inc()
 
     def record_finished(self, output: RequestOutput, seconds: float) -> None:
-        stats = output.stats
-        self.num_drafts.inc(stats.steps)
-        self.num_draft_tokens.inc(stats.drafted)
-        self.num_accepted_tokens.inc(stats.accepted)
-        for position, count in enumerate(stats.accepted_per_position):
-            self._per_pos[position].inc(count)
         self.prompt_tokens.inc(len(output.prompt_token_ids))
         self.generation_tokens.inc(len(output.token_ids))
         self.request_success.labels(self.model_name, output.finish_reason or "error").inc()
