@@ -83,10 +83,6 @@ class EngineLoop:
     def alive(self) -> bool:
         return self._thread.is_alive()
 
-    @property
-    def queued(self) -> int:
-        return self._queued
-
     def submit(self, pending: Pending) -> None:
         with self._lock:
             if not self._accepting:
