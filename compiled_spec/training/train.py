@@ -5,11 +5,9 @@
 """
 import argparse
 import json
-import math
 import os
 import random
 import shutil
-import time
 from pathlib import Path
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -17,15 +15,12 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
-from tqdm import tqdm
 from transformers import GenerationConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
+from compiled_spec.training import loop
 from compiled_spec.training.corpus import fetch_texts_dir, read_works, split_works
 from compiled_spec.training.mtp_reference import LlamaWithMtp, build_llama_config, export_state_dict
 from compiled_spec.training.train_tokenizer import train_byte_level_bpe
-
-CHECKPOINT_NAME = "checkpoint.pt"
-
 
 def tokenize_stream(tokenizer, texts: list[str]) -> torch.Tensor:
     """All texts as one token stream, each followed by EOS."""
@@ -46,15 +41,6 @@ def evaluation_windows(stream: torch.Tensor, sequence_length: int, max_windows: 
     if max_windows is not None and max_windows < len(windows):
         windows = windows[torch.linspace(0, len(windows) - 1, max_windows).long()]
     return windows
-
-
-def learning_rate_at(step: int, training: dict) -> float:
-    peak = training["learning_rate"]
-    if step < training["warmup_steps"]:
-        return peak * (step + 1) / training["warmup_steps"]
-    progress = (step - training["warmup_steps"]) / max(1, training["max_steps"] - training["warmup_steps"])
-    floor = peak * training["min_learning_rate_ratio"]
-    return floor + (peak - floor) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
 
 
 def depth_losses(logits_per_depth, input_ids, distill_fraction: float) -> list[torch.Tensor]:
@@ -101,32 +87,6 @@ def evaluate(model: LlamaWithMtp, windows: torch.Tensor, batch_size: int) -> dic
     }
 
 
-def plot_loss_curve(history: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    figure, axis = plt.subplots(figsize=(8, 5))
-    depth_names = ["main"] + [f"MTP depth {m}" for m in range(1, len(history["train"][0]["loss_per_depth"]))]
-    for depth, name in enumerate(depth_names):
-        color = f"C{depth}"
-        steps = [row["step"] for row in history["train"]]
-        axis.plot(steps, [row["loss_per_depth"][depth] for row in history["train"]], color=color, alpha=0.5,
-                  label=f"train {name}")
-        if history["validation"]:
-            axis.plot([row["step"] for row in history["validation"]],
-                      [row["loss"][depth] for row in history["validation"]], "o-", color=color, label=f"val {name}")
-    axis.set_xlabel("step")
-    axis.set_ylabel("cross-entropy (nats/token)")
-    axis.set_title("Llama + MTP on Shakespeare")
-    axis.grid(alpha=0.3)
-    axis.legend()
-    figure.tight_layout()
-    figure.savefig(path, dpi=100)
-    plt.close(figure)
-
-
 def check_export_matches(model: LlamaWithMtp, output_dir: Path, windows: torch.Tensor) -> float:
     """transformers must load the export (MTP keys only 'unexpected') with identical main logits."""
     loaded = LlamaForCausalLM.from_pretrained(str(output_dir)).eval()
@@ -140,7 +100,8 @@ def check_export_matches(model: LlamaWithMtp, output_dir: Path, windows: torch.T
     return difference
 
 
-def export_default_model(model, tokenizer, output_dir: Path, log: dict, check_windows: torch.Tensor) -> None:
+def export_default_model(model, tokenizer, output_dir: Path, log: dict, check_windows: torch.Tensor,
+                         depth_names: list[str]) -> None:
     output_dir.mkdir(parents=True, exist_ok=True)
     staging = output_dir.parent / (output_dir.name + ".staging")
     shutil.rmtree(staging, ignore_errors=True)
@@ -151,26 +112,11 @@ def export_default_model(model, tokenizer, output_dir: Path, log: dict, check_wi
     GenerationConfig(bos_token_id=model.config.bos_token_id, eos_token_id=model.config.eos_token_id,
                      do_sample=False).save_pretrained(str(staging))
     log["export_check_max_abs_logit_difference"] = check_export_matches(model, staging, check_windows)
-    plot_loss_curve(log["history"], staging / "loss_curve.png")
+    loop.plot_loss_curve(log["history"], staging / "loss_curve.png", depth_names, "Llama + MTP on Shakespeare")
     (staging / "training_log.json").write_text(json.dumps(log, indent=2))
     for path in staging.iterdir():
         os.replace(path, output_dir / path.name)  # per file, so readers never see a half-written file
     staging.rmdir()
-
-
-def save_checkpoint(path: Path, model, optimizer, step: int, generator: torch.Generator, log: dict) -> None:
-    state = {
-        "model": model.state_dict(),
-        "optimizer": optimizer.state_dict(),
-        "step": step,
-        "batch_generator": generator.get_state(),
-        "torch_rng": torch.get_rng_state(),
-        "python_rng": random.getstate(),
-        "log": log,
-    }
-    temporary = path.with_suffix(".tmp")
-    torch.save(state, temporary)
-    os.replace(temporary, path)
 
 
 def prepare_tokenizer_and_data(config: dict, work_dir: Path, resume: bool):
@@ -196,13 +142,6 @@ def train(config: dict, resume: bool, measure_steps: int | None = None) -> dict:
     tokenizer, train_stream, validation_stream = prepare_tokenizer_and_data(config, work_dir, resume)
     llama_config = build_llama_config(config["model"], len(tokenizer), tokenizer.eos_token_id)
     model = LlamaWithMtp(llama_config, config["model"]["num_nextn_predict_layers"])
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
-    optimizer = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": training["weight_decay"]}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=training["learning_rate"], betas=tuple(training["adam_betas"]),
-    )
-    generator = torch.Generator().manual_seed(config["seed"])
     sequence_length, batch_size = training["sequence_length"], training["batch_size"]
     validation_windows = evaluation_windows(validation_stream, sequence_length, None)
     periodic_windows = evaluation_windows(validation_stream, sequence_length, training["eval_windows"])
@@ -214,60 +153,21 @@ def train(config: dict, resume: bool, measure_steps: int | None = None) -> dict:
         "history": {"train": [], "validation": []},
     }
 
-    start_step, checkpoint_path = 0, work_dir / CHECKPOINT_NAME
-    if resume and checkpoint_path.exists():
-        state = torch.load(checkpoint_path, weights_only=False)
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        generator.set_state(state["batch_generator"])
-        torch.set_rng_state(state["torch_rng"])
-        random.setstate(state["python_rng"])
-        start_step, log = state["step"], state["log"]
-        log["config"] = config
-
-    last_step = training["max_steps"] if measure_steps is None else start_step + measure_steps
-    model.train()
-    progress = tqdm(range(start_step, last_step), initial=start_step, total=last_step, mininterval=5)
-    step_seconds = []
-    for step in progress:
-        step_start = time.time()
-        for group in optimizer.param_groups:
-            group["lr"] = learning_rate_at(step, training)
+    def batch_losses(generator):
         batch = sample_batch(train_stream, batch_size, sequence_length, generator)
-        losses = depth_losses(model(batch), batch, training["mtp_distill_fraction"])
-        total = losses[0] + sum(w * loss for w, loss in zip(training["mtp_loss_weights"], losses[1:]))
-        optimizer.zero_grad(set_to_none=True)
-        total.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), training["grad_clip_norm"])
-        optimizer.step()
-        step_seconds.append(time.time() - step_start)
-        progress.set_postfix(loss=f"{total.item():.3f}", main=f"{losses[0].item():.3f}")
-        done = step + 1
+        return depth_losses(model(batch), batch, training["mtp_distill_fraction"])
 
-        if done % training["log_every"] == 0 or done == last_step:
-            log["history"]["train"].append({
-                "step": done, "learning_rate": learning_rate_at(step, training), "loss": total.item(),
-                "loss_per_depth": [loss.item() for loss in losses],
-                "seconds_per_step": sum(step_seconds) / len(step_seconds), "wall_time": time.time(),
-            })
-            step_seconds = []
-        if measure_steps is not None:
-            log.setdefault("measured_step_seconds", []).append(step_seconds[-1] if step_seconds else None)
-            continue
-        if done % training["eval_every"] == 0 or done == last_step:
-            metrics = evaluate(model, periodic_windows if done != last_step else validation_windows, batch_size)
-            log["history"]["validation"].append({"step": done, "windows": "all" if done == last_step else
-                                                 training["eval_windows"], **metrics})
-            tqdm.write(f"step {done} validation {json.dumps(metrics)}")
-        if done % training["checkpoint_every"] == 0 or done == last_step:
-            save_checkpoint(checkpoint_path, model, optimizer, done, generator, log)
-        if done == training["midpoint_export_step"] or done == last_step:
-            log["exported_at_step"] = done
-            if done == last_step:
-                log["final_validation"] = log["history"]["validation"][-1]
-            export_default_model(model, tokenizer, output_dir, log, periodic_windows)
-            tqdm.write(f"step {done}: exported {output_dir}")
-    return log
+    depth_names = ["main"] + [f"MTP depth {m}" for m in range(1, len(model.mtp_modules) + 1)]
+    task = loop.Task(
+        model=model,
+        batch_losses=batch_losses,
+        loss_weights=[1.0] + training["mtp_loss_weights"],
+        evaluate=lambda final: evaluate(model, validation_windows if final else periodic_windows, batch_size),
+        export=lambda step, log: export_default_model(model, tokenizer, output_dir, log, periodic_windows, depth_names),
+        depth_names=depth_names,
+        title="Llama + MTP on Shakespeare",
+    )
+    return loop.run(task, training, config, work_dir, log, resume, measure_steps)
 
 
 def main() -> None:
