@@ -15,9 +15,11 @@ from pathlib import Path
 import click
 from click.exceptions import NoArgsIsHelpError
 
-# Mirrors compiled_spec.config (GraphMode, MAX_SPECULATIVE_TOKENS) without importing torch; a test keeps them equal.
+# Mirrors compiled_spec.config (GraphMode, MAX_SPECULATIVE_TOKENS) and training.mtp_corpus (DOMAINS) without
+# importing torch; a test keeps them equal.
 GRAPH_MODES = ("eager", "compile", "piecewise", "full")
 MAX_SPECULATIVE_TOKENS = 8
+DOMAINS = ("code", "prose", "chat")
 
 
 class InputError(click.ClickException):
@@ -81,8 +83,13 @@ def engine_options(command):
                           "(smollm2-135m; fetched on first use, see 'compiled-spec fetch'). Default: the embedded "
                           "Shakespeare model."),
         click.option("--mtp", type=click.Path(file_okay=False), default=None, metavar="DIR",
-                     help="MTP modules stored apart from the model (safetensors in any supported MTP layout); "
-                          "they replace the model's own."),
+                     help="MTP modules stored apart from the model (safetensors in any supported MTP layout, as "
+                          "'compiled-spec train-mtp' writes them); they replace the model's own. A named model uses "
+                          "the modules shipped for it."),
+        click.option("--draft-vocab", "draft_vocab_size", type=int, default=None, metavar="N",
+                     help="Draft over the N tokens the MTP modules' base model predicts most often (the target "
+                          "still verifies over the whole vocabulary, so output is unchanged). Default: the size the "
+                          "modules were trained with; the vocabulary size drafts over all of it."),
         click.option("-k", "--num-speculative-tokens", "num_speculative_tokens", type=int, default=None,
                      help=f"Tokens drafted per step by the MTP module(s), 0..{MAX_SPECULATIVE_TOKENS}; "
                           "0 turns speculation off.  [default: 3, or 0 for a model without MTP modules]"),
@@ -108,8 +115,8 @@ def engine_options(command):
     return command
 
 
-def make_llm(model, mtp, num_speculative_tokens, graph_mode, max_batch_size, max_seq_len, seed, hisparse,
-             top_k_tokens, hot_rows, cold_dtype, cold_pool, warm_up=True):
+def make_llm(model, mtp, draft_vocab_size, num_speculative_tokens, graph_mode, max_batch_size, max_seq_len, seed,
+             hisparse, top_k_tokens, hot_rows, cold_dtype, cold_pool, warm_up=True):
     """The LLM engine_options ask for; bad input becomes an InputError (one `error:` line, exit 2)."""
     from compiled_spec import LLM, CompiledSpecError
 
@@ -117,7 +124,7 @@ def make_llm(model, mtp, num_speculative_tokens, graph_mode, max_batch_size, max
         sparse = hisparse_config(hisparse, top_k_tokens, hot_rows, cold_dtype, cold_pool)
         return LLM(model, num_speculative_tokens=num_speculative_tokens, graph_mode=graph_mode,
                    max_batch_size=max_batch_size, max_seq_len=max_seq_len, seed=seed, hisparse=sparse, mtp=mtp,
-                   warm_up=warm_up)
+                   draft_vocab_size=draft_vocab_size, warm_up=warm_up)
     except CompiledSpecError as error:
         raise InputError(str(error)) from None
 
@@ -164,7 +171,7 @@ def main():
               help="Each PROMPT is a user message: apply the model's chat template and print only the answer.")
 @click.option("--json", "as_json", is_flag=True,
               help="Print one JSON object per prompt, then one with the aggregate (JSON lines).")
-def generate(prompts, prompt_ids, model, mtp, num_speculative_tokens, temperature, top_p, top_k, max_tokens, seed,
+def generate(prompts, prompt_ids, model, mtp, draft_vocab_size, num_speculative_tokens, temperature, top_p, top_k, max_tokens, seed,
              graph_mode, max_batch_size, max_seq_len, stop, ignore_eos, chat, as_json, hisparse, top_k_tokens, hot_rows,
              cold_dtype, cold_pool):
     """Generate text for each PROMPT with MTP speculative decoding.
@@ -201,7 +208,7 @@ def generate(prompts, prompt_ids, model, mtp, num_speculative_tokens, temperatur
                                 stop=[unescape(text) for text in stop] or None, ignore_eos=ignore_eos)
     except CompiledSpecError as error:
         raise InputError(str(error)) from None
-    llm = make_llm(model, mtp, num_speculative_tokens, graph_mode, max_batch_size, max_seq_len, seed, hisparse,
+    llm = make_llm(model, mtp, draft_vocab_size, num_speculative_tokens, graph_mode, max_batch_size, max_seq_len, seed, hisparse,
                    top_k_tokens, hot_rows, cold_dtype, cold_pool)
     if llm.tokenizer is None and any(isinstance(p, str) for p in all_prompts):
         raise InputError(f"model {str(llm.path)!r} has no tokenizer; pass prompts as --prompt-ids 1,2,3")
@@ -263,7 +270,7 @@ def generate(prompts, prompt_ids, model, mtp, num_speculative_tokens, temperatur
               help="Append one JSON line per decode step: the requests in the batch, drafts accepted, waiting.")
 @click.option("--log-level", "log_level", type=click.Choice(("critical", "error", "warning", "info", "debug")),
               default="info", show_default=True)
-def serve(model, mtp, num_speculative_tokens, graph_mode, max_batch_size, max_seq_len, seed, hisparse, top_k_tokens,
+def serve(model, mtp, draft_vocab_size, num_speculative_tokens, graph_mode, max_batch_size, max_seq_len, seed, hisparse, top_k_tokens,
           hot_rows, cold_dtype, cold_pool, host, port, api_key, served_model_name, max_queue, max_request_bytes,
           shutdown_timeout, step_log, log_level):
     """Serve the model over HTTP with an OpenAI-compatible API.
@@ -291,7 +298,7 @@ def serve(model, mtp, num_speculative_tokens, graph_mode, max_batch_size, max_se
     from compiled_spec.registry import MODELS
     from compiled_spec.server import ServerOptions, serve as run_server
 
-    llm = make_llm(model, mtp, num_speculative_tokens, graph_mode, max_batch_size, max_seq_len, seed, hisparse,
+    llm = make_llm(model, mtp, draft_vocab_size, num_speculative_tokens, graph_mode, max_batch_size, max_seq_len, seed, hisparse,
                    top_k_tokens, hot_rows, cold_dtype, cold_pool, warm_up=False)  # the engine thread warms up
     if served_model_name:
         name = served_model_name
@@ -335,6 +342,55 @@ def fetch(name, list_models):
         click.echo(fetch_model(name))
     except CompiledSpecError as error:
         raise InputError(str(error)) from None
+
+
+@main.command("train-mtp")
+@click.option("-m", "--model", default=None,
+              help="The frozen base model: a checkpoint directory, a .gguf file or a model name (llama, qwen2 and "
+                   "qwen3 architectures).  [default: the config's, smollm2-135m]")
+@click.option("--out", "output_dir", type=click.Path(file_okay=False), default=None,
+              help="Where the modules go (mtp.safetensors, mtp_config.json, training_log.json, loss_curve.png). "
+                   "[default: the config's]")
+@click.option("--num-modules", "num_modules", type=click.IntRange(1, 8), default=None,
+              help="MTP modules to train, one per draft depth (deeper drafts reuse the last).  [default: 2]")
+@click.option("--corpus", "domains", default=None, callback=lambda c, p, v: name_list(DOMAINS)(c, p, v) if v else None,
+              help=f"Domains to train on, comma-separated, from {', '.join(DOMAINS)}: the Python standard library's "
+                   "source, the Shakespeare plays, the base model's own answers to chat prompts; each keeps a "
+                   "held-out part.  [default: all]")
+@click.option("--draft-vocab", "draft_vocab_size", type=click.IntRange(1), default=None, metavar="N",
+              help="Train the drafts over the N tokens the base model predicts most often.  [default: 16384]")
+@click.option("--max-steps", "max_steps", type=click.IntRange(1), default=None, help="Optimizer steps.")
+@click.option("--config", "config_file", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="A JSON config with every hyper-parameter and the seed (default: the one the shipped "
+                   "smollm2-135m modules were trained with); the options above override it.")
+@click.option("--work-dir", "work_dir", type=click.Path(file_okay=False), default=None,
+              help="Corpus, cached base-model outputs and checkpoints.  [default: the config's]")
+@click.option("--resume", is_flag=True, help="Continue from the checkpoint in the work dir.")
+def train_mtp(model, output_dir, num_modules, domains, draft_vocab_size, max_steps, config_file, work_dir, resume):
+    """Train MTP modules for a base model that has none, by self-distillation.
+
+    The base model stays frozen; the modules learn to predict the base model's own greedy tokens
+    one and more positions ahead, which is what speculative decoding accepts. The base model's
+    hidden states over the corpus are computed once and cached in the work dir.
+
+    \b
+    Examples:
+      compiled-spec train-mtp --model smollm2-135m --out my_mtp --max-steps 200
+      compiled-spec generate --model smollm2-135m --mtp my_mtp "def fib(n):"
+    """
+    from compiled_spec.training.train_mtp import load_config
+    from compiled_spec.training.train_mtp import train_mtp as run_training
+
+    config = load_config(config_file, {"model": model, "output_dir": output_dir, "num_modules": num_modules,
+                                       "domains": domains, "draft_vocab_size": draft_vocab_size,
+                                       "max_steps": max_steps, "work_dir": work_dir})
+    log = run_training(config, resume=resume)
+    final = log["final_validation"]["domains"]
+    for domain, row in final.items():
+        rates = " ".join(f"{rate:.1%}" for rate in row["agreement_draft_head"])
+        click.echo(f"{domain}: held-out agreement with the base model by depth {rates}; "
+                   f"teacher-forced accepted length {row['chain_accepted']:.2f}")
+    click.echo(f"wrote {config['output_dir']}")
 
 
 def int_list(ctx, param, text: str) -> list[int]:

@@ -15,7 +15,7 @@ from .hisparse.config import HiSparseConfig
 from .hisparse.indexer import attach_indexers
 from .model.rope import rotary_tables
 from .params import RequestOutput, SamplingParams, SpecStats
-from .registry import resolve_model
+from .registry import resolve_model, shipped_mtp_modules
 from .runtime.engine import Engine, Request, TokenCallback
 from .speculative.state import DecodeState
 from .speculative.step import StepConstants, make_layout
@@ -42,8 +42,14 @@ class LLM:
         show_progress: bool = True,
         hisparse: HiSparseConfig | None = None,
         mtp: str | Path | None = None,
+        draft_vocab_size: int | None = None,
     ):
+        """mtp: a directory of MTP modules for the base model (compiled-spec train-mtp writes one); a named model
+        uses the modules shipped for it. draft_vocab_size: drafts sample over the modules' most frequent tokens
+        (default: the size they were trained with; the vocabulary size, or more, drafts over all of it)."""
         self.path = resolve_model(model) or DEFAULT_MODEL
+        mtp = mtp if mtp is not None else shipped_mtp_modules(self.path)
+        self.mtp_path = None if mtp is None else Path(mtp)
         self.config = EngineConfig(
             num_speculative_tokens=num_speculative_tokens,
             graph_mode=GraphMode.default_for(device) if graph_mode is None else GraphMode.parse(graph_mode),
@@ -56,7 +62,7 @@ class LLM:
             prefill_buckets=prefill_buckets,
             hisparse=hisparse,
         )
-        self.model = load_model(self.path, self.config.torch_dtype(), device, mtp=mtp)
+        self.model = load_model(self.path, self.config.torch_dtype(), device, mtp=mtp, draft_vocab_size=draft_vocab_size)
         self.model_config = self.model.config
         if num_speculative_tokens is None:  # as many as the default where the model can draft, else none
             self.config.num_speculative_tokens = 3 if self.model_config.num_mtp_modules else 0

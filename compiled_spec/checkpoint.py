@@ -195,30 +195,72 @@ def read_checkpoint(path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
     return read_config(path), read_tensors(path)
 
 
-def read_mtp_directory(path: Path, num_layers: int) -> tuple[dict, int, bool]:
-    """MTP modules stored apart from their base model (safetensors in any MTP layout), as split_weights returns."""
+DRAFT_VOCAB_RANKING = "d2t"  # as EAGLE-3 names it: token ids, the most often drafted first
+MTP_CONFIG_NAME = "mtp_config.json"
+
+
+def read_mtp_directory(path: Path, num_layers: int) -> tuple[dict, int, bool, torch.Tensor | None]:
+    """MTP modules stored apart from their base model (safetensors in any MTP layout): split_weights' result and
+    the draft-vocabulary ranking when the directory has one."""
     if not path.is_dir():
         raise CompiledSpecError(f"MTP directory {str(path)!r} is not a directory")
-    state, num_mtp, hidden_first = split_weights(read_tensors(path), num_layers)
+    tensors = read_tensors(path)
+    ranking = tensors.pop(DRAFT_VOCAB_RANKING, None)
+    state, num_mtp, hidden_first = split_weights(tensors, num_layers)
     other = sorted(key for key in state if not key.startswith("mtp."))
     if other:
         raise CompiledSpecError(f"{str(path)!r} holds weights that are not MTP modules (e.g. {other[0]}); an MTP "
                                 "directory holds only MTP modules")
     if num_mtp == 0:
         raise CompiledSpecError(f"no MTP modules in {str(path)!r}; expected keys like mtp.0.eh_proj.weight")
-    return state, num_mtp, hidden_first
+    return state, num_mtp, hidden_first, None if ranking is None else ranking.long()
+
+
+def trained_draft_vocab_size(path: Path) -> int | None:
+    """The draft vocabulary size the modules in `path` were trained with (mtp_config.json), if it says."""
+    config_file = path / MTP_CONFIG_NAME
+    if not config_file.is_file():
+        return None
+    return json.loads(config_file.read_text()).get("draft_vocab_size")
+
+
+def draft_vocabulary(ranking: torch.Tensor | None, size: int | None, default_size: int | None,
+                     vocab_size: int) -> torch.Tensor | None:
+    """Token ids the drafts are sampled over (sorted), or None for the whole vocabulary.
+
+    size: how many of the ranked tokens; None means the size the modules were trained with, and any size of at
+    least vocab_size the whole vocabulary."""
+    if size is not None and (not isinstance(size, int) or isinstance(size, bool) or size < 1):
+        raise CompiledSpecError(f"draft_vocab_size={size!r} is out of range; allowed 1..{vocab_size} "
+                                "(the vocabulary size: the full head)", param="draft_vocab_size")
+    size = default_size if size is None else size
+    if size is None or size >= vocab_size:
+        return None
+    if ranking is None:
+        raise CompiledSpecError(f"draft_vocab_size={size} needs MTP modules that ship a ranked draft vocabulary "
+                                f"({DRAFT_VOCAB_RANKING!r}, as compiled-spec train-mtp writes); these have none",
+                                param="draft_vocab_size")
+    if ranking.shape != (vocab_size,) or not torch.equal(ranking.sort().values, torch.arange(vocab_size)):
+        raise CompiledSpecError(f"the draft vocabulary ranking ({DRAFT_VOCAB_RANKING!r}) must list each of the "
+                                f"{vocab_size} token ids once", param="draft_vocab_size")
+    return ranking[:size].sort().values
 
 
 def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu",
-               mtp: str | Path | None = None) -> CausalLM:
-    """The model at `path`; with `mtp`, the MTP modules come from that directory instead of the checkpoint."""
+               mtp: str | Path | None = None, draft_vocab_size: int | None = None) -> CausalLM:
+    """The model at `path`; with `mtp`, the MTP modules come from that directory instead of the checkpoint.
+
+    draft_vocab_size: drafts sample over that many of the MTP directory's ranked tokens (see draft_vocabulary)."""
     path = Path(path)
     raw_config, tensors = read_checkpoint(path)
     config = ModelConfig.from_hf(raw_config)
     state, num_mtp, hidden_first = split_weights(tensors, config.num_hidden_layers)
+    ranking, trained_size = None, None
     if mtp is not None:
-        mtp_state, num_mtp, hidden_first = read_mtp_directory(Path(mtp), config.num_hidden_layers)
+        mtp_state, num_mtp, hidden_first, ranking = read_mtp_directory(Path(mtp), config.num_hidden_layers)
+        trained_size = trained_draft_vocab_size(Path(mtp))
         state = {**{k: v for k, v in state.items() if not k.startswith("mtp.")}, **mtp_state}
+    draft_vocab = draft_vocabulary(ranking, draft_vocab_size, trained_size, config.vocab_size)
     config.num_mtp_modules = num_mtp
     with torch.device("meta"):
         model = CausalLM(config, mtp_hidden_first=hidden_first)
@@ -238,4 +280,6 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str
         for name in expected
     }
     model.load_state_dict(loaded, assign=True, strict=True)
+    if draft_vocab is not None:
+        model.use_draft_vocab(draft_vocab.to(device))
     return model.eval().requires_grad_(False)

@@ -33,6 +33,10 @@ class NamedModel:
     description: str
 
 
+# MTP modules trained for a named model (compiled-spec train-mtp) ship in the package, under its name.
+SHIPPED_MTP_ROOT = Path(__file__).parent / "mtp_modules"
+
+
 MODELS = {
     "smollm2-135m": NamedModel(
         name="smollm2-135m",
@@ -100,6 +104,15 @@ def fetch_model(name: str, show_progress: bool = True) -> Path:
                     bar.update(len(block))
         shutil.move(str(partial), target)  # same folder: a rename, so no reader sees half a file
     return target
+
+
+def shipped_mtp_modules(path: Path) -> Path | None:
+    """The MTP modules this package ships for the named model whose local file is `path`, if any."""
+    for name in MODELS:
+        shipped = SHIPPED_MTP_ROOT / name
+        if (shipped / "mtp.safetensors").is_file() and model_path(name).resolve() == Path(path).resolve():
+            return shipped
+    return None
 
 
 def resolve_model(model: str | Path | None) -> Path | None:

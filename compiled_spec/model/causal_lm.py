@@ -21,6 +21,14 @@ class CausalLM(nn.Module):
         self.mtp = nn.ModuleList(
             MtpModule(config, index, mtp_hidden_first) for index in range(config.num_mtp_modules)
         )
+        # Drafts may sample over a sub-vocabulary (FR-Spec, EAGLE-3's d2t): ids [V'] and their head rows [V', H].
+        self.register_buffer("draft_vocab", None)
+        self.register_buffer("draft_head", None)
+
+    def use_draft_vocab(self, token_ids: torch.Tensor) -> None:
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        self.draft_vocab = token_ids
+        self.draft_head = weight[token_ids].clone()
 
     def hidden_states(
         self,
@@ -39,6 +47,18 @@ class CausalLM(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return (hidden @ weight.t()).float()
+
+    def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits over the draft vocabulary: the whole vocabulary, or the sub-vocabulary use_draft_vocab set."""
+        return self.logits(hidden) if self.draft_vocab is None else (hidden @ self.draft_head.t()).float()
+
+    def draft_tokens_and_probs(self, index: torch.Tensor, probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A draft sampled as `index` from `probs` over the draft vocabulary -> its token id and its q over the
+        whole vocabulary (0 outside the draft vocabulary), the q the accept test must use."""
+        if self.draft_vocab is None:
+            return index, probs
+        full = probs.new_zeros(*probs.shape[:-1], self.config.vocab_size)
+        return self.draft_vocab[index], full.index_copy(-1, self.draft_vocab, probs)
 
     def mtp_hidden_states(
         self,

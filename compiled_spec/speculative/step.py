@@ -136,10 +136,11 @@ def _draft_chain(
             mirror_new_rows(tiers, state.draft_keys[depth - 1], state.draft_values[depth - 1], slot_ids,
                             layout.write_index, state.trash_position)
         pick = (producing_index + depth - 1)[:, None, None].expand(batch, 1, hidden.shape[-1])
-        logits = model.logits(hidden.gather(1, pick)[:, 0])
+        logits = model.draft_logits(hidden.gather(1, pick)[:, 0])
         depth_probs = sampling_probs(logits, temperature, top_k, top_p)
         position = next_position + depth - 1
-        token = race_sample(depth_probs, rng.stream_key(seeds, position, rng.DRAFT + depth))
+        index = race_sample(depth_probs, rng.stream_key(seeds, position, rng.DRAFT + depth))
+        token, depth_probs = model.draft_tokens_and_probs(index, depth_probs)
         window_tokens = torch.where(offsets[None, :] == producing_index[:, None] + depth, token[:, None], window_tokens)
         drafts.append(token)
         probs.append(depth_probs)

@@ -1,0 +1,80 @@
+"""Text on every machine, by domain, for training MTP modules: code (the Python standard library's source),
+prose (the Shakespeare plays) and chat (the base model's own answers to instruction prompts).
+
+Each domain has a held-out part that training never sees: whole stdlib modules, whole plays, and chat prompts
+on topics of their own.
+"""
+
+from __future__ import annotations
+
+import sysconfig
+import zlib
+from pathlib import Path
+
+from .corpus import fetch_texts_dir, read_works, split_works
+
+DOMAINS = ("code", "prose", "chat")
+
+CHAT_TEMPLATES = (
+    "Explain {topic} to a beginner in a few sentences.",
+    "What are three common mistakes people make with {topic}?",
+    "Write a short paragraph about {topic}.",
+    "Give me a step-by-step guide to {topic}.",
+    "What is the history of {topic}?",
+    "Write a Python function related to {topic} and explain it.",
+)
+CHAT_TOPICS = (
+    "learning to cook rice", "photosynthesis", "saving money", "the water cycle", "sorting algorithms",
+    "planting tomatoes", "the French revolution", "public speaking", "binary numbers", "volcanoes",
+    "writing a cover letter", "the solar system", "sleep hygiene", "recursion", "climate change",
+    "learning a new language", "the human heart", "time management", "prime numbers", "bread baking",
+    "the Roman empire", "electric cars", "regular expressions", "meditation", "the stock market",
+    "hash tables", "composting", "the printing press", "running a marathon", "unit testing",
+)
+HELD_OUT_CHAT_TOPICS = (
+    "the moon landing", "making tea", "linked lists", "the immune system", "budget travel", "earthquakes",
+    "chess openings", "version control with git",
+)
+
+
+def stdlib_files(root: Path | None = None) -> list[Path]:
+    """The standard library's .py files, tests and vendored packages left out, in a stable order."""
+    root = Path(root or sysconfig.get_paths()["stdlib"])
+    skip = ("test", "tests", "idlelib", "site-packages", "lib2to3", "turtledemo", "__pycache__", "ensurepip")
+    return sorted(p for p in root.rglob("*.py") if not any(part in skip for part in p.relative_to(root).parts))
+
+
+def is_held_out(path: Path, root: Path, held_out_percent: int) -> bool:
+    """A fixed tenth (or so) of the modules, chosen by a hash of the path so it never changes between runs."""
+    return zlib.crc32(str(path.relative_to(root)).encode()) % 100 < held_out_percent
+
+
+def code_texts(max_chars: int, held_out_percent: int, root: Path | None = None) -> tuple[list[str], list[str]]:
+    root = Path(root or sysconfig.get_paths()["stdlib"])
+    train, held_out, sizes = [], [], [0, 0]
+    held_out_limit = max_chars * held_out_percent // 100
+    # In hash order, so a size limit samples modules from the whole library, not those starting with "a".
+    for path in sorted(stdlib_files(root), key=lambda p: zlib.crc32(str(p.relative_to(root)).encode(), 1)):
+        text = path.read_text(encoding="utf-8", errors="replace")
+        goes_to_held_out = is_held_out(path, root, held_out_percent)
+        bucket, index, limit = (held_out, 1, held_out_limit) if goes_to_held_out else (train, 0, max_chars)
+        if sizes[index] < limit:
+            bucket.append(text)
+            sizes[index] += len(text)
+    return train, held_out
+
+
+def prose_texts(work_dir: Path, held_out_works: list[str], max_chars: int) -> tuple[list[str], list[str]]:
+    train, held_out = split_works(read_works(fetch_texts_dir(work_dir)), held_out_works)
+    return _limit(train, max_chars), held_out
+
+
+def chat_prompts(held_out: bool) -> list[str]:
+    topics = HELD_OUT_CHAT_TOPICS if held_out else CHAT_TOPICS
+    return [template.format(topic=topic) for topic in topics for template in CHAT_TEMPLATES]
+
+
+def _limit(texts: list[str], max_chars: int) -> list[str]:
+    """An equal share of max_chars from the middle of each text."""
+    share = max_chars // max(1, len(texts))
+    return [text[max(0, len(text) // 2 - share // 2):][:share] for text in texts]

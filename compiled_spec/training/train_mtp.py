@@ -1,0 +1,279 @@
+"""Train DeepSeek-V3-style MTP modules for a base model that has none, by self-distillation.
+
+The base model stays frozen. Its post-norm hidden states and greedy predictions over the corpus are computed once
+and cached; module m at row i sees the base hidden (or module m-1's output) and the embedding of token i+m, and
+learns to predict what the base model itself predicts at row i+m. So the loss optimizes exactly what greedy
+verification accepts. The head is the base model's (frozen) LM head restricted to a frequency-ranked
+sub-vocabulary, the draft vocabulary the engine drafts over.
+
+    compiled-spec train-mtp --model smollm2-135m --out DIR [--num-modules N] [--corpus code,prose,chat] [--resume]
+
+Outputs in DIR: mtp.safetensors (DeepSeek-V3 names, model.layers.{num_layers + j}.*, plus `d2t`, the whole
+vocabulary ranked by how often the base model predicts each token), mtp_config.json (every hyper-parameter and
+the seed), training_log.json and loss_curve.png. Attach with `LLM(base, mtp=DIR)` or `--mtp DIR`.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import random
+import shutil
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import save_file
+from tqdm import tqdm
+
+from ..checkpoint import read_checkpoint
+from ..registry import resolve_model
+from ..tokenizer import load_tokenizer
+from . import loop
+from .mtp_corpus import DOMAINS, chat_prompts, code_texts, prose_texts
+from .mtp_reference import DECODER_CLASSES, export_mtp_state_dict, mtp_chain, mtp_layers
+
+DEFAULT_CONFIG = Path(__file__).parent / "train_mtp_config.json"
+WEIGHTS_NAME = "mtp.safetensors"
+CONFIG_NAME = "mtp_config.json"
+IGNORE = -100
+
+
+def load_base(path: Path):
+    """The base model as transformers builds it (frozen, eval mode) and its raw config dict."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    raw, tensors = read_checkpoint(path)
+    model_type = raw.get("model_type")
+    if model_type not in DECODER_CLASSES:
+        raise ValueError(f"train-mtp supports {', '.join(DECODER_CLASSES)} base models, not {model_type!r}")
+    fields = {k: v for k, v in raw.items() if k not in ("architectures", "model_type")}
+    config = AutoConfig.for_model(model_type, **fields)
+    config._attn_implementation = "sdpa"
+    base = AutoModelForCausalLM.from_config(config)
+    tensors = {k: v.float() for k, v in tensors.items() if not k.startswith("model.layers.") or
+               int(k.split(".")[2]) < config.num_hidden_layers}
+    result = base.load_state_dict(tensors, strict=False)
+    missing = [k for k in result.missing_keys if not (k == "lm_head.weight" and config.tie_word_embeddings)]
+    if missing:
+        raise ValueError(f"base checkpoint {path} is missing {missing[:3]}")
+    if config.tie_word_embeddings:
+        base.tie_weights()
+    return base.eval().requires_grad_(False), config
+
+
+def chat_texts(llm, prompts: list[str], max_tokens: int, cache_file: Path) -> list[str]:
+    """Each prompt in the chat template followed by the base model's own greedy answer (cached in cache_file)."""
+    from ..api import SamplingParams
+    from ..chat import chat_prompt
+
+    if cache_file.is_file():
+        cached = json.loads(cache_file.read_text())
+        if cached["prompts"] == prompts and cached["max_tokens"] == max_tokens:
+            return cached["texts"]
+    templated = [chat_prompt(llm.tokenizer, [{"role": "user", "content": p}]) for p in prompts]
+    texts = []
+    for start in tqdm(range(0, len(templated), 8), desc="base model answers chat prompts", unit="batch"):
+        chunk = templated[start : start + 8]
+        outputs = llm.generate(chunk, SamplingParams(max_tokens=max_tokens))
+        texts += [prompt + output.text for prompt, output in zip(chunk, outputs)]
+    cache_file.write_text(json.dumps({"prompts": prompts, "max_tokens": max_tokens, "texts": texts}))
+    return texts
+
+
+def domain_texts(config: dict, base_path: Path, work_dir: Path) -> dict[str, tuple[list[str], list[str]]]:
+    """{domain: (train texts, held-out texts)} for the domains the config names."""
+    corpus = config["corpus"]
+    out = {}
+    for domain in corpus["domains"]:
+        if domain == "code":
+            out[domain] = code_texts(corpus["code_chars"], corpus["code_held_out_percent"])
+        elif domain == "prose":
+            out[domain] = prose_texts(work_dir, corpus["prose_held_out_works"], corpus["prose_chars"])
+        elif domain == "chat":
+            from ..api import LLM
+
+            llm = LLM(base_path, num_speculative_tokens=0, graph_mode="eager", max_batch_size=8,
+                      max_seq_len=corpus["chat_max_tokens"] + 128, show_progress=False)
+            train_prompts = chat_prompts(held_out=False)[: corpus["chat_prompts"]]
+            held_out_prompts = chat_prompts(held_out=True)[: corpus["chat_held_out_prompts"]]
+            out[domain] = (chat_texts(llm, train_prompts, corpus["chat_max_tokens"], work_dir / "chat_train.json"),
+                           chat_texts(llm, held_out_prompts, corpus["chat_max_tokens"], work_dir / "chat_held_out.json"))
+        else:
+            raise ValueError(f"unknown corpus domain {domain!r}; choose from {', '.join(DOMAINS)}")
+    return out
+
+
+def token_windows(tokenizer, texts: list[str], length: int) -> torch.Tensor:
+    """The texts as one stream (EOS after each), cut into windows [N, length]."""
+    ids = []
+    for text in texts:
+        ids += tokenizer.encode(text, add_special_tokens=False) + [tokenizer.eos_token_id]
+    stream = torch.tensor(ids[: len(ids) // length * length], dtype=torch.long)
+    return stream.view(-1, length)
+
+
+@torch.no_grad()
+def teacher_outputs(base, windows: torch.Tensor, cache_file: Path, description: str) -> dict[str, torch.Tensor]:
+    """The base model on each window: post-norm hidden states [N, T, H] and greedy predictions [N, T]."""
+    if cache_file.is_file():
+        cached = torch.load(cache_file)
+        if torch.equal(cached["ids"], windows):
+            return cached
+    hidden, greedy = [], []
+    head = base.get_output_embeddings().weight
+    for chunk in tqdm(windows.split(4), desc=description, unit="x4 windows"):
+        states = base.model(input_ids=chunk).last_hidden_state
+        hidden.append(states)
+        greedy.append((states @ head.t()).argmax(-1))
+    out = {"ids": windows, "hidden": torch.cat(hidden), "greedy": torch.cat(greedy)}
+    temporary = cache_file.with_suffix(".tmp")
+    torch.save(out, temporary)
+    os.replace(temporary, cache_file)
+    return out
+
+
+def rank_vocabulary(greedy: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Every token id, most often predicted by the base model first (ties: lower id first)."""
+    counts = torch.bincount(greedy.flatten(), minlength=vocab_size).double()
+    order = torch.argsort(-counts * vocab_size + torch.arange(vocab_size) / vocab_size, stable=True)
+    return order
+
+
+def to_draft_ids(greedy: torch.Tensor, draft_vocab: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Token ids -> index in the draft vocabulary, IGNORE where the draft vocabulary lacks the token."""
+    lookup = torch.full((vocab_size,), IGNORE, dtype=torch.long)
+    lookup[draft_vocab] = torch.arange(len(draft_vocab))
+    return lookup[greedy]
+
+
+class MtpTraining:
+    """Everything the loop needs to train `num_modules` MTP modules on cached teacher outputs."""
+
+    def __init__(self, base, base_config, config: dict, train: dict, held_out: dict[str, dict], ranking: torch.Tensor):
+        self.base, self.config = base, config
+        training = config["training"]
+        self.batch_size = training["batch_size"]
+        self.modules = mtp_layers(base_config, config["num_modules"])
+        self.modules.apply(base._init_weights)
+        vocab_size = base_config.vocab_size
+        self.draft_vocab = ranking[: config["draft_vocab_size"]].sort().values
+        head = base.get_output_embeddings().weight
+        self.full_head = head
+        self.draft_head = head[self.draft_vocab].clone()
+        self.train = {**train, "targets": to_draft_ids(train["greedy"], self.draft_vocab, vocab_size)}
+        self.held_out = {domain: {**data, "targets": to_draft_ids(data["greedy"], self.draft_vocab, vocab_size)}
+                         for domain, data in held_out.items()}
+
+    def depth_hidden(self, ids: torch.Tensor, hidden: torch.Tensor) -> list[torch.Tensor]:
+        return mtp_chain(self.modules, self.base.model.embed_tokens, self.base.model.rotary_emb, ids, hidden)
+
+    def batch_losses(self, generator: torch.Generator) -> list[torch.Tensor]:
+        index = torch.randint(0, len(self.train["ids"]), (self.batch_size,), generator=generator)
+        depths = self.depth_hidden(self.train["ids"][index], self.train["hidden"][index])
+        targets = self.train["targets"][index]
+        return [F.cross_entropy((h @ self.draft_head.t()).flatten(0, 1), targets[:, m:].flatten(), ignore_index=IGNORE)
+                for m, h in enumerate(depths, start=1)]
+
+    @torch.no_grad()
+    def evaluate(self, final: bool) -> dict:
+        """Per held-out domain and depth, teacher-forced: cross-entropy over the draft vocabulary, and how often the
+        draft's top token equals the base model's greedy token, with the draft head and with the full head.
+        chain_accepted: the mean number of leading depths that all agree, what greedy speculation would accept."""
+        limit = None if final else self.config["training"]["eval_windows"]
+        report = {"loss": [0.0] * len(self.modules), "domains": {}}
+        for domain, data in self.held_out.items():
+            ids, hidden, greedy, targets = (data[key][:limit] for key in ("ids", "hidden", "greedy", "targets"))
+            losses, agree_draft, agree_full, chain, chain_total = [], [], [], None, 0.0
+            common_rows = ids.shape[1] - len(self.modules)
+            for m, h in enumerate(self.depth_hidden(ids, hidden), start=1):
+                logits = h @ self.draft_head.t()
+                losses.append(F.cross_entropy(logits.flatten(0, 1), targets[:, m:].flatten(), ignore_index=IGNORE).item())
+                draft_match = self.draft_vocab[logits.argmax(-1)] == greedy[:, m:]
+                agree_draft.append(draft_match.float().mean().item())
+                agree_full.append(((h @ self.full_head.t()).argmax(-1) == greedy[:, m:]).float().mean().item())
+                chain = draft_match[:, :common_rows] if chain is None else chain & draft_match[:, :common_rows]
+                chain_total += chain.float().mean().item()
+            report["domains"][domain] = {
+                "loss": losses, "agreement_draft_head": agree_draft, "agreement_full_head": agree_full,
+                "chain_accepted": chain_total, "draft_vocab_covers_greedy": (targets != IGNORE).float().mean().item(),
+            }
+            report["loss"] = [a + b / len(self.held_out) for a, b in zip(report["loss"], losses)]
+        return report
+
+    def export(self, output_dir: Path, step: int, log: dict) -> None:
+        state = export_mtp_state_dict(self.modules, self.base.config.num_hidden_layers)
+        state["d2t"] = log["_ranking"]
+        staging = output_dir.parent / (output_dir.name + ".staging")
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir(parents=True)
+        save_file(state, str(staging / WEIGHTS_NAME), metadata={"format": "pt", "trained_by": "compiled-spec train-mtp",
+                                                                 "step": str(step)})
+        public_log = {k: v for k, v in log.items() if not k.startswith("_")}
+        (staging / CONFIG_NAME).write_text(json.dumps(self.config, indent=2) + "\n")
+        (staging / "training_log.json").write_text(json.dumps(public_log, indent=2) + "\n")
+        names = [f"MTP depth {m}" for m in range(1, len(self.modules) + 1)]
+        loop.plot_loss_curve(log["history"], staging / "loss_curve.png", names, f"MTP modules on {self.config['model']}",
+                             ylabel="cross-entropy to the base model's greedy token")
+        output_dir.mkdir(parents=True, exist_ok=True)
+        for path in staging.iterdir():
+            os.replace(path, output_dir / path.name)
+        staging.rmdir()
+
+
+def train_mtp(config: dict, resume: bool = False, measure_steps: int | None = None) -> dict:
+    training = config["training"]
+    torch.set_num_threads(training["num_threads"])
+    random.seed(config["seed"])
+    torch.manual_seed(config["seed"])
+    work_dir, output_dir = Path(config["work_dir"]), Path(config["output_dir"])
+    work_dir.mkdir(parents=True, exist_ok=True)
+    base_path = resolve_model(config["model"])
+    base, base_config = load_base(base_path)
+    tokenizer = load_tokenizer(base_path)
+    length = training["sequence_length"]
+    train_parts, held_out = [], {}
+    for domain, (train_texts, held_out_texts) in domain_texts(config, base_path, work_dir).items():
+        train_parts.append(teacher_outputs(base, token_windows(tokenizer, train_texts, length),
+                                           work_dir / f"teacher_{domain}_train.pt", f"base model on {domain} (train)"))
+        windows = token_windows(tokenizer, held_out_texts, length)[: config["corpus"]["held_out_windows_per_domain"]]
+        held_out[domain] = teacher_outputs(base, windows, work_dir / f"teacher_{domain}_held_out.pt",
+                                           f"base model on {domain} (held out)")
+    train = {key: torch.cat([part[key] for part in train_parts]) for key in ("ids", "hidden", "greedy")}
+    ranking = rank_vocabulary(train["greedy"], base_config.vocab_size)
+    torch.manual_seed(config["seed"])  # module init does not depend on how the teacher cache was made
+    task_state = MtpTraining(base, base_config, config, train, held_out, ranking)
+    log = {
+        "config": config,
+        "parameters_per_module": sum(p.numel() for p in task_state.modules[0].parameters()),
+        "train_tokens": {d: int(p["ids"].numel()) for d, p in zip(config["corpus"]["domains"], train_parts)},
+        "held_out_tokens": {d: int(p["ids"].numel()) for d, p in held_out.items()},
+        "history": {"train": [], "validation": []},
+    }
+    task = loop.Task(
+        model=task_state.modules,
+        batch_losses=task_state.batch_losses,
+        loss_weights=(training["loss_weights"] * config["num_modules"])[: config["num_modules"]]
+        if len(training["loss_weights"]) == 1 else training["loss_weights"][: config["num_modules"]],
+        evaluate=task_state.evaluate,
+        export=lambda step, log: task_state.export(output_dir, step, {**log, "_ranking": ranking.to(torch.int32)}),
+        depth_names=[f"depth {m}" for m in range(1, config["num_modules"] + 1)],
+        title=f"MTP modules on {config['model']}",
+    )
+    return loop.run(task, training, config, work_dir, log, resume, measure_steps)
+
+
+def load_config(path: Path | None, overrides: dict) -> dict:
+    config = json.loads(Path(path or DEFAULT_CONFIG).read_text())
+    config = copy.deepcopy(config)
+    for key, value in overrides.items():
+        if value is None:
+            continue
+        if key == "domains":
+            config["corpus"]["domains"] = value
+        elif key == "max_steps":
+            config["training"]["max_steps"] = value
+        else:
+            config[key] = value
+    return config
