@@ -5,6 +5,7 @@ from __future__ import annotations
 import statistics
 import time
 
+from .bandwidth import main_weight_bytes
 from .workload import digest
 
 
@@ -91,6 +92,8 @@ def measure_engine(spec: dict) -> dict:
         "hisparse_top_k_tokens": engine.constants.hisparse.top_k_tokens if engine.constants.hisparse else None,
         "hot_buffer_rows": engine.state.hot_keys[0].shape[1] - 1 if engine.state.hot_keys else None,
         "hisparse_scorer": scorer_in_use(llm.model) if engine.constants.hisparse else None,
+        "main_weight_bytes": main_weight_bytes(llm.model),
+        "draft_vocab_size": None if llm.model.draft_vocab is None else llm.model.draft_vocab.numel(),
     }
 
 

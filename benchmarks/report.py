@@ -28,7 +28,7 @@ def acceptance_text(record: dict) -> str:
 def engine_row(record: dict, anchors: list[str]) -> str:
     head = f"| {record['graph_mode']} | {record['num_speculative_tokens']} | {record['batch_size']} |"
     if record["status"] != "ok":
-        return head + f" {record['status']}: {record.get('reason', '')} |" + " |" * (8 + len(anchors))
+        return head + f" {record['status']}: {record.get('reason', '')} |" + " |" * (9 + len(anchors))
     latency = record["step_latency_ms"] or {"p50": float("nan"), "p90": float("nan")}
     same = record.get("acceptance_equals_eager")
     if same is False:  # how many accepted drafts moved, out of how many
@@ -43,7 +43,8 @@ def engine_row(record: dict, anchors: list[str]) -> str:
         number(record["warmup_s"]),
         number(record["peak_rss_mib"], 0),
     ]
-    cells += [number(record["speedup_vs"].get(name), 2) + ("×" if record["speedup_vs"].get(name) else "") for name in anchors]
+    cells += [number(record["speedup_vs"].get(name), 2) + ("×" if record["speedup_vs"].get(name) else "")
+              for name in [*anchors, "plain-limit"]]
     return head + " " + " | ".join(cells) + " |"
 
 
@@ -80,7 +81,8 @@ def markdown(results: dict, plot_names: list[str] = ()) -> str:
         f"{env['cpu']}, {env['usable_cpus']} usable CPUs, {env['memory_gib']} GiB; Python {env['python']}, "
         f"torch {env['torch']}, transformers {env['transformers']}, compiled-spec {env['compiled_spec']} "
         f"({env['git_commit']}); load average {env['load_average_at_start'][0]:.2f} at start, "
-        f"{env.get('load_average_at_end', [float('nan')])[0]:.2f} at end.",
+        f"{env.get('load_average_at_end', [float('nan')])[0]:.2f} at end. Memory read bandwidth at start: "
+        f"{number(env.get('read_bandwidth_gb_s'))} GB/s.",
         "",
         f"{settings['prompts']} prompts ({min(settings['prompt_lengths'])}–{max(settings['prompt_lengths'])} tokens), "
         f"{settings['max_tokens']} new tokens each, {settings['sampling']}; max_seq_len {settings['max_seq_len']}, "
@@ -93,12 +95,14 @@ def markdown(results: dict, plot_names: list[str] = ()) -> str:
         "Warm-up: compiling every bucket (0 in eager). Peak RSS: the cell's own process. "
         "'= eager': accepted counts per position equal the eager cell's (same k, batch), or by how many "
         "they differ; "
-        "'= HF': outputs identical to transformers' greedy ones.",
+        "'= HF': outputs identical to transformers' greedy ones. "
+        "'× plain limit': tokens/s over batch x bandwidth / weight bytes, the most any plain decoder "
+        "(one read of the main model's weights per step) could make here.",
         "",
         "| " + " | ".join(["mode", "k", "batch", "tokens/s", "step p50 / p90 ms", "acceptance by position",
                            "mean accepted length", "= eager", "= HF", "warm-up s", "peak RSS MiB",
-                           *(f"× {name}" for name in anchors)]) + " |",
-        "|" + "---|" * (11 + len(anchors)),
+                           *(f"× {name}" for name in anchors), "× plain limit"]) + " |",
+        "|" + "---|" * (12 + len(anchors)),
     ]
     lines += [engine_row(record, anchors) for record in engine_records(results)]
     if anchors:

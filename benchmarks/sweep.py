@@ -22,6 +22,7 @@ from tqdm.auto import tqdm
 from compiled_spec.gguf_checkpoint import is_gguf
 
 from . import environment, report
+from .bandwidth import read_bandwidth_gb_s
 from .anchors import ANCHORS, unavailable_reason
 from .workload import auto_max_seq_len, prompt_token_ids
 
@@ -97,9 +98,10 @@ def cell_record(spec: dict, result: dict) -> dict:
     return {**{key: spec[key] for key in keys if key in spec}, **result}
 
 
-def compare(records: list[dict]) -> None:
+def compare(records: list[dict], bandwidth_gb_s: float | None = None) -> None:
     """Adds to every engine record: tokens/s as a ratio to each anchor at the same batch size, whether its
-    acceptance equals the eager cell's (same k and batch), and how many outputs equal transformers' greedy ones."""
+    acceptance equals the eager cell's (same k and batch), and how many outputs equal transformers' greedy ones;
+    with the measured read bandwidth, also the ratio to the plain-decoding limit (benchmarks/bandwidth.py)."""
     ok = [r for r in records if r["status"] == "ok"]
     anchors = {(r["anchor"], r["batch_size"]): r for r in ok if r["kind"] == "anchor"}
     eager = {(r["num_speculative_tokens"], r["batch_size"]): r for r in ok
@@ -113,6 +115,10 @@ def compare(records: list[dict]) -> None:
                    if (name, record["batch_size"]) in anchors else None)
             for name in ANCHORS
         }
+        if bandwidth_gb_s and record.get("main_weight_bytes"):
+            limit = record["batch_size"] * bandwidth_gb_s * 1e9 / record["main_weight_bytes"]
+            record["plain_decoding_limit_tokens_per_s"] = limit
+            record["speedup_vs"]["plain-limit"] = record["tokens_per_s"] / limit
         base = eager.get((record["num_speculative_tokens"], record["batch_size"]))
         if base is not None and base is not record:
             record["acceptance_equals_eager"] = base["accepted_per_position"] == record["accepted_per_position"]
@@ -140,7 +146,7 @@ def run_sweep(options: SweepOptions) -> dict:
     env = worker_env(options, cache_dir)
     results = {
         "command": shlex.join(options.command),
-        "environment": environment.describe(),
+        "environment": {**environment.describe(), "read_bandwidth_gb_s": read_bandwidth_gb_s(options.threads)},
         "settings": {
             "model": str(options.model),
             "prompts": len(prompt_ids),
@@ -172,7 +178,7 @@ def run_sweep(options: SweepOptions) -> dict:
         if owned_cache:
             shutil.rmtree(cache_dir, ignore_errors=True)
     results["environment"]["load_average_at_end"] = list(os.getloadavg())
-    compare(results["records"])
+    compare(results["records"], results["environment"]["read_bandwidth_gb_s"])
     write_outputs(results, options)
     return results
 

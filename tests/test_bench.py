@@ -39,12 +39,16 @@ def test_bench_writes_json_markdown_and_plots(sweep):
         assert len(record["acceptance_rate_per_position"]) == 2
         assert 1 <= record["mean_accepted_length"] <= 3
         assert record["warmup_s"] == 0 and record["peak_rss_mib"] > 0
-        assert set(record["speedup_vs"]) == set(ANCHORS)
+        assert set(record["speedup_vs"]) == set(ANCHORS) | {"plain-limit"}
+        limit = record["batch_size"] * results["environment"]["read_bandwidth_gb_s"] * 1e9 / record["main_weight_bytes"]
+        assert record["plain_decoding_limit_tokens_per_s"] == pytest.approx(limit)
+        assert record["speedup_vs"]["plain-limit"] == pytest.approx(record["tokens_per_s"] / limit)
     (anchor,) = records(out, name="hf-mtp b=1")
     assert anchor["status"] == "ok" and anchor["tokens_per_s"] > 0 and anchor["num_speculative_tokens"] == 2
     (skipped,) = records(out, name="hf-mtp b=2")
     assert skipped["status"] == "unavailable" and "batch size 1" in skipped["reason"]
     table = (out / "results.md").read_text()
+    assert "× plain limit" in table and "GB/s" in table
     assert "| eager | 2 | 1 |" in table and "| eager | 2 | 2 |" in table and "| hf-mtp | 1 |" in table
     assert table in result.output
     for name in ("tokens_per_s.png", "acceptance.png"):

@@ -1,5 +1,6 @@
 """The one real-model test: SmolLM2-135M-Instruct's GGUF (Q4_1), fetched as a user fetches it, against
-transformers' GGUF loader on the same file: logits, greedy text and the tokenizer."""
+transformers' GGUF loader on the same file: logits, the tokenizer, and greedy text, decoded with the MTP
+modules shipped for it (k=3, sub-vocabulary draft head), whose drafts must be accepted above a floor."""
 
 import pytest
 import torch
@@ -7,7 +8,12 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from compiled_spec import LLM, SamplingParams, fetch_model
 
+from compiled_spec.registry import SHIPPED_MTP_ROOT
+
 MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
+# Code nobody trained the modules on (not from the standard library).
+CODE = 'def binary_search(items, target):\n    """Return the index of target in the sorted list items, or -1."""\n'
+CODE_POSITION_1_FLOOR = 0.5
 
 
 @pytest.fixture(scope="module")
@@ -19,7 +25,8 @@ def smollm2():
 
 def test_smollm2_gguf_equals_transformers(smollm2):
     path, llm = smollm2
-    assert llm.path == path and llm.num_speculative_tokens == 0  # no MTP modules shipped yet
+    assert llm.path == path and llm.mtp_path == SHIPPED_MTP_ROOT / "smollm2-135m"
+    assert llm.num_speculative_tokens == 3 and llm.model.draft_vocab.numel() < llm.model_config.vocab_size
     config = llm.model_config
     assert (config.num_hidden_layers, config.hidden_size, config.vocab_size, config.tie_word_embeddings) == \
         (30, 576, 49152, True)
@@ -29,11 +36,17 @@ def test_smollm2_gguf_equals_transformers(smollm2):
     ids = tokenizer.encode(prompt, add_special_tokens=False)
     output = llm.chat(MESSAGES, SamplingParams(max_tokens=16))[0]
     assert output.prompt_token_ids == ids
+    code_ids = llm.encode(CODE)
+    code_output = llm.generate(CODE, SamplingParams(max_tokens=48, ignore_eos=True))[0]
     with torch.no_grad():
         want = reference.eval()(torch.tensor([ids])).logits[0]
         greedy = reference.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False)[0, len(ids):].tolist()
+        code_greedy = reference.generate(torch.tensor([code_ids]), max_new_tokens=48, do_sample=False,
+                                         eos_token_id=None)[0, len(code_ids):].tolist()
     assert (llm.logits(ids) - want).abs().max().item() <= 1e-4
     assert output.token_ids == greedy[: len(output.token_ids)]
+    assert code_output.token_ids == code_greedy  # speculative greedy output is transformers' greedy output
+    assert code_output.stats.acceptance_rate_per_position[0] >= CODE_POSITION_1_FLOOR, code_output.stats
     assert output.finish_reason == "stop" and output.token_ids[-1] in llm.eos_ids
     assert "Paris" in output.text
     code = "def fib(n):\n    return n if n < 2 else fib(n - 1) + fib(n - 2)  # é"

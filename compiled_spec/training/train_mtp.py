@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-from ..checkpoint import read_checkpoint
+from ..checkpoint import MTP_CONFIG_NAME, read_checkpoint
 from ..registry import resolve_model
 from ..tokenizer import load_tokenizer
 from . import loop
@@ -36,7 +36,6 @@ from .mtp_reference import DECODER_CLASSES, export_mtp_state_dict, mtp_chain, mt
 
 DEFAULT_CONFIG = Path(__file__).parent / "train_mtp_config.json"
 WEIGHTS_NAME = "mtp.safetensors"
-CONFIG_NAME = "mtp_config.json"
 IGNORE = -100
 
 
@@ -211,7 +210,7 @@ class MtpTraining:
         save_file(state, str(staging / WEIGHTS_NAME), metadata={"format": "pt", "trained_by": "compiled-spec train-mtp",
                                                                  "step": str(step)})
         public_log = {k: v for k, v in log.items() if not k.startswith("_")}
-        (staging / CONFIG_NAME).write_text(json.dumps(self.config, indent=2) + "\n")
+        (staging / MTP_CONFIG_NAME).write_text(json.dumps(self.config, indent=2) + "\n")
         (staging / "training_log.json").write_text(json.dumps(public_log, indent=2) + "\n")
         names = [f"MTP depth {m}" for m in range(1, len(self.modules) + 1)]
         loop.plot_loss_curve(log["history"], staging / "loss_curve.png", names, f"MTP modules on {self.config['model']}",

@@ -1,0 +1,43 @@
+"""Memory read bandwidth, measured as a bench run starts, and the plain-decoding limit it implies.
+
+Plain decoding reads every weight of the main model once per step, so at batch b it cannot beat
+b x bandwidth / weight bytes tokens per second; speculation emits several tokens per read.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+PROBE_BYTES = 1 << 30  # far larger than any cache
+
+
+def read_bandwidth_gb_s(threads: int = 0, repeats: int = 5) -> float:
+    """GB/s (1e9 bytes) of the best of `repeats` sums over a 1 GiB float32 tensor, on `threads` torch threads."""
+    previous = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        data = torch.ones(PROBE_BYTES // 4)
+        data.sum()
+        best = float("inf")
+        for _ in range(repeats):
+            start = time.perf_counter()
+            data.sum()
+            best = min(best, time.perf_counter() - start)
+        return PROBE_BYTES / best / 1e9
+    finally:
+        torch.set_num_threads(previous)
+
+
+def main_weight_bytes(model) -> int:
+    """Bytes of weights a plain decoding step reads: the main model's, the LM head once, one embedding row."""
+    total = 0
+    for name, tensor in model.state_dict().items():
+        if name.startswith("mtp.") or name.startswith("draft_"):
+            continue
+        if name == "embed_tokens.weight" and model.lm_head is not None:
+            continue  # an untied embedding is read one row per token
+        total += tensor.numel() * tensor.element_size()
+    return total

@@ -1,0 +1,100 @@
+"""Greedy speculative acceptance of trained MTP modules on held-out prompts, per domain, through the engine.
+
+    python -m compiled_spec.training.mtp_acceptance --mtp compiled_spec/mtp_modules/smollm2-135m \\
+        [-k 3] [--draft-vocab 4096,8192,16384,49152] [--json evaluation.json]
+
+The prompts come from the parts of each domain that training never sees (mtp_corpus): openings of held-out
+standard-library functions, passages of held-out plays, and held-out chat prompts in the chat template.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sysconfig
+from pathlib import Path
+
+from ..api import LLM
+from ..chat import chat_prompt
+from ..params import SamplingParams, SpecStats
+from ..checkpoint import MTP_CONFIG_NAME
+from .mtp_corpus import chat_prompts, is_held_out, prose_texts, stdlib_files
+
+DEF_LINE = re.compile(r"^    def \w+\(.*\):\n|^def \w+\(.*\):\n", re.MULTILINE)
+
+
+def held_out_prompts(config: dict, tokenizer, per_domain: int) -> dict[str, list[str]]:
+    corpus = config["corpus"]
+    prompts = {}
+    if "code" in corpus["domains"]:
+        # In each of per_domain held-out modules (training never reads any of them), the source up to and
+        # including its first `def` line: the model writes the body.
+        root = Path(sysconfig.get_paths()["stdlib"])
+        held_out = [p for p in stdlib_files(root) if is_held_out(p, root, corpus["code_held_out_percent"])]
+        openings = []
+        for path in held_out:
+            text = path.read_text(encoding="utf-8", errors="replace")
+            match = DEF_LINE.search(text, len(text) // 3)
+            if match:
+                openings.append(text[max(0, match.end() - 600): match.end()])
+        prompts["code"] = openings[:: max(1, len(openings) // per_domain)][:per_domain]
+    if "prose" in corpus["domains"]:
+        _, held_out = prose_texts(Path(config["work_dir"]), corpus["prose_held_out_works"], corpus["prose_chars"])
+        text = "".join(held_out)
+        stride = len(text) // (per_domain + 1)
+        prompts["prose"] = [text[stride * (i + 1): stride * (i + 1) + 400] for i in range(per_domain)]
+    if "chat" in corpus["domains"]:
+        questions = chat_prompts(held_out=True)
+        questions = questions[:: max(1, len(questions) // per_domain)][:per_domain]
+        prompts["chat"] = [chat_prompt(tokenizer, [{"role": "user", "content": q}]) for q in questions]
+    return prompts
+
+
+def acceptance(llm: LLM, prompts: list[str], max_tokens: int) -> dict:
+    outputs = llm.generate(prompts, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+    total = SpecStats(llm.num_speculative_tokens)
+    for output in outputs:
+        total.merge(output.stats)
+    return {"steps": total.steps, "acceptance_rate_per_position": total.acceptance_rate_per_position,
+            "mean_accepted_length": total.mean_accepted_length,
+            "token_ids": [output.token_ids for output in outputs]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--mtp", type=Path, required=True, help="a directory train-mtp wrote")
+    parser.add_argument("--model", default=None, help="the base model (default: the one the modules were trained on)")
+    parser.add_argument("-k", type=int, default=3)
+    parser.add_argument("--draft-vocab", default=None, help="comma-separated sizes (default: the trained size)")
+    parser.add_argument("--prompts", type=int, default=8, help="held-out prompts per domain")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    config = json.loads((args.mtp / MTP_CONFIG_NAME).read_text())
+    model = args.model or config["model"]
+    sizes = [int(s) for s in args.draft_vocab.split(",")] if args.draft_vocab else [None]
+    plain = LLM(model, num_speculative_tokens=0, max_batch_size=8, max_seq_len=768, show_progress=False)
+    prompts = held_out_prompts(config, plain.tokenizer, args.prompts)
+    reference = {domain: acceptance(plain, texts, args.max_tokens)["token_ids"] for domain, texts in prompts.items()}
+    results = {"model": str(model), "mtp": str(args.mtp), "k": args.k, "max_tokens": args.max_tokens,
+               "prompts_per_domain": args.prompts, "greedy": True, "by_draft_vocab_size": {}}
+    for size in sizes:
+        llm = LLM(model, mtp=args.mtp, num_speculative_tokens=args.k, draft_vocab_size=size, max_batch_size=8,
+                  max_seq_len=768, show_progress=False)
+        label = str(size or config["draft_vocab_size"])
+        rows = {}
+        for domain, texts in prompts.items():
+            row = acceptance(llm, texts, args.max_tokens)
+            row["equals_k0"] = row.pop("token_ids") == reference[domain]
+            rows[domain] = row
+            rates = " ".join(f"{rate:.1%}" for rate in row["acceptance_rate_per_position"])
+            print(f"draft vocab {label:>6} {domain:>5}: acceptance by position {rates} | mean accepted length "
+                  f"{row['mean_accepted_length']:.2f} | output = k=0: {row['equals_k0']}", flush=True)
+        results["by_draft_vocab_size"][label] = rows
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
