@@ -171,7 +171,8 @@ def main():
               help="Each PROMPT is a user message: apply the model's chat template and print only the answer.")
 @click.option("--json", "as_json", is_flag=True,
               help="Print one JSON object per prompt, then one with the aggregate (JSON lines).")
-def generate(prompts, prompt_ids, model, mtp, draft_vocab_size, num_speculative_tokens, temperature, top_p, top_k, max_tokens, seed,
+def generate(prompts, prompt_ids, model, mtp, draft_vocab_size, num_speculative_tokens, temperature, top_p, top_k,
+             max_tokens, seed,
              graph_mode, max_batch_size, max_seq_len, stop, ignore_eos, chat, as_json, hisparse, top_k_tokens, hot_rows,
              cold_dtype, cold_pool):
     """Generate text for each PROMPT with MTP speculative decoding.
@@ -208,7 +209,8 @@ def generate(prompts, prompt_ids, model, mtp, draft_vocab_size, num_speculative_
                                 stop=[unescape(text) for text in stop] or None, ignore_eos=ignore_eos)
     except CompiledSpecError as error:
         raise InputError(str(error)) from None
-    llm = make_llm(model, mtp, draft_vocab_size, num_speculative_tokens, graph_mode, max_batch_size, max_seq_len, seed, hisparse,
+    llm = make_llm(model, mtp, draft_vocab_size, num_speculative_tokens, graph_mode, max_batch_size, max_seq_len,
+                   seed, hisparse,
                    top_k_tokens, hot_rows, cold_dtype, cold_pool)
     if llm.tokenizer is None and any(isinstance(p, str) for p in all_prompts):
         raise InputError(f"model {str(llm.path)!r} has no tokenizer; pass prompts as --prompt-ids 1,2,3")
@@ -270,7 +272,8 @@ def generate(prompts, prompt_ids, model, mtp, draft_vocab_size, num_speculative_
               help="Append one JSON line per decode step: the requests in the batch, drafts accepted, waiting.")
 @click.option("--log-level", "log_level", type=click.Choice(("critical", "error", "warning", "info", "debug")),
               default="info", show_default=True)
-def serve(model, mtp, draft_vocab_size, num_speculative_tokens, graph_mode, max_batch_size, max_seq_len, seed, hisparse, top_k_tokens,
+def serve(model, mtp, draft_vocab_size, num_speculative_tokens, graph_mode, max_batch_size, max_seq_len, seed,
+          hisparse, top_k_tokens,
           hot_rows, cold_dtype, cold_pool, host, port, api_key, served_model_name, max_queue, max_request_bytes,
           shutdown_timeout, step_log, log_level):
     """Serve the model over HTTP with an OpenAI-compatible API.
@@ -298,7 +301,8 @@ def serve(model, mtp, draft_vocab_size, num_speculative_tokens, graph_mode, max_
     from compiled_spec.registry import MODELS
     from compiled_spec.server import ServerOptions, serve as run_server
 
-    llm = make_llm(model, mtp, draft_vocab_size, num_speculative_tokens, graph_mode, max_batch_size, max_seq_len, seed, hisparse,
+    llm = make_llm(model, mtp, draft_vocab_size, num_speculative_tokens, graph_mode, max_batch_size, max_seq_len,
+                   seed, hisparse,
                    top_k_tokens, hot_rows, cold_dtype, cold_pool, warm_up=False)  # the engine thread warms up
     if served_model_name:
         name = served_model_name
@@ -353,7 +357,8 @@ def fetch(name, list_models):
                    "[default: the config's]")
 @click.option("--num-modules", "num_modules", type=click.IntRange(1, 8), default=None,
               help="MTP modules to train, one per draft depth (deeper drafts reuse the last).  [default: 2]")
-@click.option("--corpus", "domains", default=None, callback=lambda c, p, v: name_list(DOMAINS)(c, p, v) if v else None,
+@click.option("--corpus", "domains", default=None,
+              callback=lambda ctx, param, text: name_list(DOMAINS)(ctx, param, text) if text else None,
               help=f"Domains to train on, comma-separated, from {', '.join(DOMAINS)}: the Python standard library's "
                    "source, the Shakespeare plays, the base model's own answers to chat prompts; each keeps a "
                    "held-out part.  [default: all]")
@@ -458,11 +463,15 @@ DEFAULT_ANCHORS = ("hf-eager", "hf-static", "hf-mtp")
                    "start. Default: a fresh, cold one for this run.")
 @click.option("--cell-timeout", "cell_timeout", type=float, default=1800.0, show_default=True,
               help="Seconds before a cell is stopped and recorded as a timeout.")
+@click.option("--draft-vocab", "draft_vocab_sizes", default=None,
+              callback=lambda ctx, param, text: int_list(ctx, param, text) if text else [None],
+              help="Comma-separated draft vocabulary sizes: each cell with k > 0 runs once per size (see "
+                   "'generate --draft-vocab'). Default: the size the MTP modules were trained with.")
 @click.option("--hisparse", is_flag=True, help="Every engine cell decodes with HiSparse sparse attention.")
 @hisparse_options
 def bench(model, graph_modes, ks, batch_sizes, anchors, out, max_tokens, prompts_file, max_seq_len, buckets,
-          repeats, threads, cache_dir, cell_timeout, hisparse, top_k_tokens, hot_rows, cold_dtype,
-          cold_pool):
+          repeats, threads, cache_dir, cell_timeout, draft_vocab_sizes, hisparse, top_k_tokens, hot_rows,
+          cold_dtype, cold_pool):
     """Measure tokens/s, step latency, acceptance per draft position, warm-up time and peak memory for
     every graph mode x k x batch size, beside transformers on the same model and prompts (greedy).
 
@@ -509,7 +518,7 @@ def bench(model, graph_modes, ks, batch_sizes, anchors, out, max_tokens, prompts
         anchors=anchors, out=Path(out), max_tokens=max_tokens, prompts=prompts, max_seq_len=max_seq_len,
         buckets=buckets, repeats=repeats, threads=threads, cache_dir=Path(cache_dir) if cache_dir else None,
         cell_timeout_s=cell_timeout, command=spelled_out(click.get_current_context()),
-        hisparse=dataclasses.asdict(sparse) if sparse else None,
+        hisparse=dataclasses.asdict(sparse) if sparse else None, draft_vocab_sizes=draft_vocab_sizes,
     )
     try:
         results = run_sweep(options)

@@ -35,6 +35,7 @@ def measure_engine(spec: dict) -> dict:
         prefill_buckets=(max_seq_len,) if minimal else None,
         show_progress=False,
         hisparse=HiSparseConfig(**spec["hisparse"]) if spec.get("hisparse") else None,
+        draft_vocab_size=spec.get("draft_vocab_size"),
     )
     setup_s = time.perf_counter() - start
     engine = llm.engine

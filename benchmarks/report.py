@@ -26,7 +26,10 @@ def acceptance_text(record: dict) -> str:
 
 
 def engine_row(record: dict, anchors: list[str]) -> str:
-    head = f"| {record['graph_mode']} | {record['num_speculative_tokens']} | {record['batch_size']} |"
+    k = record["num_speculative_tokens"]
+    vocab = record.get("draft_vocab_size")
+    k_text = f"{k} (draft vocab {vocab})" if k and vocab else str(k)
+    head = f"| {record['graph_mode']} | {k_text} | {record['batch_size']} |"
     if record["status"] != "ok":
         return head + f" {record['status']}: {record.get('reason', '')} |" + " |" * (9 + len(anchors))
     latency = record["step_latency_ms"] or {"p50": float("nan"), "p90": float("nan")}

@@ -47,6 +47,7 @@ class SweepOptions:
     cell_timeout_s: float = 1800.0
     plots: bool = True
     hisparse: dict | None = None  # HiSparseConfig fields for every engine cell; None: dense attention
+    draft_vocab_sizes: list = field(default_factory=lambda: [None])  # cells with k > 0, per size; None: trained size
     command: list[str] = field(default_factory=list)
 
 
@@ -60,9 +61,11 @@ def plan(options: SweepOptions, prompt_ids: list[list[int]], max_seq_len: int) -
     for mode in options.graph_modes:
         for k in options.num_speculative_tokens:
             for batch in options.batch_sizes:
-                cells.append(dict(kind="engine", name=f"{mode} k={k} b={batch}", graph_mode=mode,
-                                  num_speculative_tokens=k, batch_size=batch, max_seq_len=max_seq_len,
-                                  buckets=options.buckets, hisparse=options.hisparse, **common))
+                for size in options.draft_vocab_sizes if k > 0 else [None]:
+                    name = f"{mode} k={k} b={batch}" + (f" v={size}" if size else "")
+                    cells.append(dict(kind="engine", name=name, graph_mode=mode, num_speculative_tokens=k,
+                                      batch_size=batch, max_seq_len=max_seq_len, buckets=options.buckets,
+                                      hisparse=options.hisparse, draft_vocab_size=size, **common))
     return cells
 
 
@@ -104,7 +107,7 @@ def compare(records: list[dict], bandwidth_gb_s: float | None = None) -> None:
     with the measured read bandwidth, also the ratio to the plain-decoding limit (benchmarks/bandwidth.py)."""
     ok = [r for r in records if r["status"] == "ok"]
     anchors = {(r["anchor"], r["batch_size"]): r for r in ok if r["kind"] == "anchor"}
-    eager = {(r["num_speculative_tokens"], r["batch_size"]): r for r in ok
+    eager = {(r["num_speculative_tokens"], r["batch_size"], r.get("draft_vocab_size")): r for r in ok
              if r["kind"] == "engine" and r["graph_mode"] == "eager"}
     reference = anchors.get(("hf-eager", 1)) or next((r for (name, _), r in anchors.items() if name == "hf-eager"), None)
     for record in ok:
@@ -119,7 +122,7 @@ def compare(records: list[dict], bandwidth_gb_s: float | None = None) -> None:
             limit = record["batch_size"] * bandwidth_gb_s * 1e9 / record["main_weight_bytes"]
             record["plain_decoding_limit_tokens_per_s"] = limit
             record["speedup_vs"]["plain-limit"] = record["tokens_per_s"] / limit
-        base = eager.get((record["num_speculative_tokens"], record["batch_size"]))
+        base = eager.get((record["num_speculative_tokens"], record["batch_size"], record.get("draft_vocab_size")))
         if base is not None and base is not record:
             record["acceptance_equals_eager"] = base["accepted_per_position"] == record["accepted_per_position"]
             record["accepted_differs_from_eager_by"] = sum(

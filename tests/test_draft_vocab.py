@@ -106,3 +106,18 @@ def test_draft_vocab_size_is_checked(chat_model, tiny_checkpoint):
         LLM(path, mtp=mtp, draft_vocab_size=0, **ENGINE)
     with pytest.raises(CompiledSpecError, match="ship a ranked draft vocabulary"):
         LLM(path, draft_vocab_size=16, **ENGINE)  # the checkpoint's own modules have no ranking
+
+
+def test_full_graph_with_a_sub_vocabulary_decodes_as_eager(chat_model):
+    """The sub-vocabulary head inside the whole-step graph (an AOTInductor package on CPU) changes nothing."""
+    path, mtp, plain = chat_model
+    prompts = ["ROMEO: But soft", "def fib(n):"]
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    engine = dict(mtp=mtp, num_speculative_tokens=2, draft_vocab_size=48, max_seq_len=64, max_batch_size=2,
+                  show_progress=False)
+    eager = LLM(path, graph_mode="eager", **engine).generate(prompts, params)
+    full = LLM(path, graph_mode="full", batch_buckets=(2,), prefill_buckets=(64,), **engine).generate(prompts, params)
+    assert [o.token_ids for o in full] == [o.token_ids for o in eager] == \
+        [o.token_ids for o in plain.generate(prompts, params)]
+    assert [o.stats.accepted_per_position for o in full] == [o.stats.accepted_per_position for o in eager]
+    assert sum(o.stats.accepted for o in full) > 0
