@@ -20,7 +20,8 @@ def tiny_config(tmp_path, base) -> dict:
     config["corpus"].update(domains=["code", "chat"], code_chars=24000, chat_prompts=8, chat_held_out_prompts=4,
                             chat_max_tokens=24, held_out_windows_per_domain=4)
     config["training"].update(num_threads=1, sequence_length=64, batch_size=8, max_steps=40, warmup_steps=4,
-                              learning_rate=3e-3, log_every=1, eval_every=20, eval_windows=4, checkpoint_every=10)
+                              learning_rate=3e-3, log_every=1, eval_every=20, eval_windows=4, checkpoint_every=10,
+                              distill_fraction=0.5)
     return config
 
 

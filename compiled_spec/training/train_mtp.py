@@ -169,11 +169,24 @@ class MtpTraining:
         return mtp_chain(self.modules, self.base.model.embed_tokens, self.base.model.rotary_emb, ids, hidden)
 
     def batch_losses(self, generator: torch.Generator) -> list[torch.Tensor]:
+        """Cross-entropy to the base model's greedy token; with distill_fraction > 0, mixed with the KL divergence
+        to the base model's own distribution over the draft vocabulary (its cached hidden state times the head)."""
         index = torch.randint(0, len(self.train["ids"]), (self.batch_size,), generator=generator)
-        depths = self.depth_hidden(self.train["ids"][index], self.train["hidden"][index])
+        base_hidden = self.train["hidden"][index]
+        depths = self.depth_hidden(self.train["ids"][index], base_hidden)
         targets = self.train["targets"][index]
-        return [F.cross_entropy((h @ self.draft_head.t()).flatten(0, 1), targets[:, m:].flatten(), ignore_index=IGNORE)
-                for m, h in enumerate(depths, start=1)]
+        distill = self.config["training"].get("distill_fraction", 0.0)
+        losses = []
+        for m, h in enumerate(depths, start=1):
+            logits = (h @ self.draft_head.t()).flatten(0, 1)
+            loss = F.cross_entropy(logits, targets[:, m:].flatten(), ignore_index=IGNORE)
+            if distill > 0:
+                with torch.no_grad():
+                    teacher = (base_hidden[:, m:] @ self.draft_head.t()).flatten(0, 1).log_softmax(-1)
+                kl = F.kl_div(logits.log_softmax(-1), teacher, log_target=True, reduction="batchmean")
+                loss = (1 - distill) * loss + distill * kl
+            losses.append(loss)
+        return losses
 
     @torch.no_grad()
     def evaluate(self, final: bool) -> dict:
