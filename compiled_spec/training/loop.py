@@ -34,6 +34,16 @@ class Task:
     title: str
 
 
+def prepare(config: dict) -> tuple[Path, Path]:
+    """Threads and seeds as the config says; returns (work dir, created, and output dir)."""
+    torch.set_num_threads(config["training"]["num_threads"])
+    random.seed(config["seed"])
+    torch.manual_seed(config["seed"])
+    work_dir, output_dir = Path(config["work_dir"]), Path(config["output_dir"])
+    work_dir.mkdir(parents=True, exist_ok=True)
+    return work_dir, output_dir
+
+
 def learning_rate_at(step: int, training: dict) -> float:
     peak = training["learning_rate"]
     if step < training["warmup_steps"]:

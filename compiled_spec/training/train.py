@@ -6,7 +6,6 @@
 import argparse
 import json
 import os
-import random
 import shutil
 from pathlib import Path
 
@@ -133,11 +132,7 @@ def prepare_tokenizer_and_data(config: dict, work_dir: Path, resume: bool):
 
 def train(config: dict, resume: bool, measure_steps: int | None = None) -> dict:
     training = config["training"]
-    torch.set_num_threads(training["num_threads"])
-    random.seed(config["seed"])
-    torch.manual_seed(config["seed"])
-    work_dir, output_dir = Path(config["work_dir"]), Path(config["output_dir"])
-    work_dir.mkdir(parents=True, exist_ok=True)
+    work_dir, output_dir = loop.prepare(config)
 
     tokenizer, train_stream, validation_stream = prepare_tokenizer_and_data(config, work_dir, resume)
     llama_config = build_llama_config(config["model"], len(tokenizer), tokenizer.eos_token_id)

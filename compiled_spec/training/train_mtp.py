@@ -18,7 +18,6 @@ from __future__ import annotations
 import copy
 import json
 import os
-import random
 import shutil
 from pathlib import Path
 
@@ -236,11 +235,7 @@ class MtpTraining:
 
 def train_mtp(config: dict, resume: bool = False, measure_steps: int | None = None) -> dict:
     training = config["training"]
-    torch.set_num_threads(training["num_threads"])
-    random.seed(config["seed"])
-    torch.manual_seed(config["seed"])
-    work_dir, output_dir = Path(config["work_dir"]), Path(config["output_dir"])
-    work_dir.mkdir(parents=True, exist_ok=True)
+    work_dir, output_dir = loop.prepare(config)
     base_path = resolve_model(config["model"])
     base, base_config = load_base(base_path)
     tokenizer = load_tokenizer(base_path)
