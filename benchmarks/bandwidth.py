@@ -6,6 +6,10 @@ b x bandwidth / weight bytes tokens per second; speculation emits several tokens
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 import time
 
 import torch
@@ -29,6 +33,16 @@ def read_bandwidth_gb_s(threads: int = 0, repeats: int = 5) -> float:
         return PROBE_BYTES / best / 1e9
     finally:
         torch.set_num_threads(previous)
+
+
+def measure_in_subprocess(threads: int = 0) -> float | None:
+    """read_bandwidth_gb_s in a process of its own: the 1 GiB probe must not raise the bench process's peak RSS,
+    which every cell it starts inherits (a spawned child's ru_maxrss starts at its parent's high-water mark)."""
+    env = {**os.environ, **({"OMP_NUM_THREADS": str(threads)} if threads else {})}
+    code = ("import json; from benchmarks.bandwidth import read_bandwidth_gb_s; "
+            f"print(json.dumps(read_bandwidth_gb_s({threads})))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    return json.loads(result.stdout) if result.returncode == 0 else None
 
 
 def main_weight_bytes(model) -> int:

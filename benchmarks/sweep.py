@@ -22,7 +22,7 @@ from tqdm.auto import tqdm
 from compiled_spec.gguf_checkpoint import is_gguf
 
 from . import environment, report
-from .bandwidth import read_bandwidth_gb_s
+from .bandwidth import measure_in_subprocess
 from .anchors import ANCHORS, unavailable_reason
 from .workload import auto_max_seq_len, prompt_token_ids
 
@@ -149,7 +149,7 @@ def run_sweep(options: SweepOptions) -> dict:
     env = worker_env(options, cache_dir)
     results = {
         "command": shlex.join(options.command),
-        "environment": {**environment.describe(), "read_bandwidth_gb_s": read_bandwidth_gb_s(options.threads)},
+        "environment": {**environment.describe(), "read_bandwidth_gb_s": measure_in_subprocess(options.threads)},
         "settings": {
             "model": str(options.model),
             "prompts": len(prompt_ids),
