@@ -113,11 +113,13 @@ def token_windows(tokenizer, texts: list[str], length: int) -> torch.Tensor:
 
 
 @torch.no_grad()
-def teacher_outputs(base, windows: torch.Tensor, cache_file: Path, description: str) -> dict[str, torch.Tensor]:
-    """The base model on each window: post-norm hidden states [N, T, H] and greedy predictions [N, T]."""
+def teacher_outputs(base, windows: torch.Tensor, cache_file: Path, description: str,
+                    base_key: str) -> dict[str, torch.Tensor]:
+    """The base model on each window: post-norm hidden states [N, T, H] and greedy predictions [N, T].
+    base_key names the base model's file, so a cache made with another base is never reused."""
     if cache_file.is_file():
         cached = torch.load(cache_file)
-        if torch.equal(cached["ids"], windows):
+        if cached.get("base") == base_key and torch.equal(cached["ids"], windows):
             return cached
     hidden, greedy = [], []
     head = base.get_output_embeddings().weight
@@ -125,7 +127,7 @@ def teacher_outputs(base, windows: torch.Tensor, cache_file: Path, description: 
         states = base.model(input_ids=chunk).last_hidden_state
         hidden.append(states)
         greedy.append((states @ head.t()).argmax(-1))
-    out = {"ids": windows, "hidden": torch.cat(hidden), "greedy": torch.cat(greedy)}
+    out = {"ids": windows, "hidden": torch.cat(hidden), "greedy": torch.cat(greedy), "base": base_key}
     temporary = cache_file.with_suffix(".tmp")
     torch.save(out, temporary)
     os.replace(temporary, cache_file)
@@ -240,13 +242,16 @@ def train_mtp(config: dict, resume: bool = False, measure_steps: int | None = No
     base, base_config = load_base(base_path)
     tokenizer = load_tokenizer(base_path)
     length = training["sequence_length"]
+    stat = base_path.stat()
+    base_key = f"{base_path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}"
     train_parts, held_out = [], {}
     for domain, (train_texts, held_out_texts) in domain_texts(config, base_path, work_dir).items():
         train_parts.append(teacher_outputs(base, token_windows(tokenizer, train_texts, length),
-                                           work_dir / f"teacher_{domain}_train.pt", f"base model on {domain} (train)"))
+                                           work_dir / f"teacher_{domain}_train.pt", f"base model on {domain} (train)",
+                                           base_key))
         windows = token_windows(tokenizer, held_out_texts, length)[: config["corpus"]["held_out_windows_per_domain"]]
         held_out[domain] = teacher_outputs(base, windows, work_dir / f"teacher_{domain}_held_out.pt",
-                                           f"base model on {domain} (held out)")
+                                           f"base model on {domain} (held out)", base_key)
     train = {key: torch.cat([part[key] for part in train_parts]) for key in ("ids", "hidden", "greedy")}
     ranking = rank_vocabulary(train["greedy"], base_config.vocab_size)
     torch.manual_seed(config["seed"])  # module init does not depend on how the teacher cache was made
@@ -272,8 +277,10 @@ def train_mtp(config: dict, resume: bool = False, measure_steps: int | None = No
 
 
 def load_config(path: Path | None, overrides: dict) -> dict:
-    config = json.loads(Path(path or DEFAULT_CONFIG).read_text())
-    config = copy.deepcopy(config)
+    config = copy.deepcopy(json.loads(Path(path or DEFAULT_CONFIG).read_text()))
+    if overrides.get("model") is not None and overrides.get("work_dir") is None:
+        # Another base model gets a work dir of its own (corpus caches, checkpoints).
+        config["work_dir"] = str(Path(".train_mtp_work") / Path(str(overrides["model"])).stem)
     for key, value in overrides.items():
         if value is None:
             continue
