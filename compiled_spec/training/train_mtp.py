@@ -136,9 +136,8 @@ def teacher_outputs(base, windows: torch.Tensor, cache_file: Path, description: 
 
 def rank_vocabulary(greedy: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """Every token id, most often predicted by the base model first (ties: lower id first)."""
-    counts = torch.bincount(greedy.flatten(), minlength=vocab_size).double()
-    order = torch.argsort(-counts * vocab_size + torch.arange(vocab_size) / vocab_size, stable=True)
-    return order
+    counts = torch.bincount(greedy.flatten(), minlength=vocab_size)
+    return torch.argsort(-counts, stable=True)
 
 
 def to_draft_ids(greedy: torch.Tensor, draft_vocab: torch.Tensor, vocab_size: int) -> torch.Tensor:
