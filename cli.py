@@ -354,7 +354,7 @@ def fetch(name, list_models):
                    "qwen3 architectures).  [default: the config's, smollm2-135m]")
 @click.option("--out", "output_dir", type=click.Path(file_okay=False), default=None,
               help="Where the modules go (mtp.safetensors, mtp_config.json, training_log.json, loss_curve.png). "
-                   "[default: the config's]")
+                   "[default: mtp_<model> with --model, else the config's]")
 @click.option("--num-modules", "num_modules", type=click.IntRange(1, 8), default=None,
               help="MTP modules to train, one per draft depth (deeper drafts reuse the last).  [default: 2]")
 @click.option("--corpus", "domains", default=None,
@@ -369,7 +369,8 @@ def fetch(name, list_models):
               help="A JSON config with every hyper-parameter and the seed (default: the one the shipped "
                    "smollm2-135m modules were trained with); the options above override it.")
 @click.option("--work-dir", "work_dir", type=click.Path(file_okay=False), default=None,
-              help="Corpus, cached base-model outputs and checkpoints.  [default: the config's]")
+              help="Corpus, cached base-model outputs and checkpoints.  [default: .train_mtp_work/<model> with "
+                   "--model, else the config's]")
 @click.option("--resume", is_flag=True, help="Continue from the checkpoint in the work dir.")
 def train_mtp(model, output_dir, num_modules, domains, draft_vocab_size, max_steps, config_file, work_dir, resume):
     """Train MTP modules for a base model that has none, by self-distillation.
@@ -383,13 +384,17 @@ def train_mtp(model, output_dir, num_modules, domains, draft_vocab_size, max_ste
       compiled-spec train-mtp --model smollm2-135m --out my_mtp --max-steps 200
       compiled-spec generate --model smollm2-135m --mtp my_mtp "def fib(n):"
     """
+    from compiled_spec import CompiledSpecError
     from compiled_spec.training.train_mtp import load_config
     from compiled_spec.training.train_mtp import train_mtp as run_training
 
     config = load_config(config_file, {"model": model, "output_dir": output_dir, "num_modules": num_modules,
                                        "domains": domains, "draft_vocab_size": draft_vocab_size,
                                        "max_steps": max_steps, "work_dir": work_dir})
-    log = run_training(config, resume=resume)
+    try:
+        log = run_training(config, resume=resume)
+    except (ValueError, CompiledSpecError) as error:  # an unsupported base model, a bad corpus name
+        raise InputError(str(error)) from None
     final = log["final_validation"]["domains"]
     for domain, row in final.items():
         rates = " ".join(f"{rate:.1%}" for rate in row["agreement_draft_head"])

@@ -277,9 +277,11 @@ def train_mtp(config: dict, resume: bool = False, measure_steps: int | None = No
 
 def load_config(path: Path | None, overrides: dict) -> dict:
     config = copy.deepcopy(json.loads(Path(path or DEFAULT_CONFIG).read_text()))
-    if overrides.get("model") is not None and overrides.get("work_dir") is None:
-        # Another base model gets a work dir of its own (corpus caches, checkpoints).
-        config["work_dir"] = str(Path(".train_mtp_work") / Path(str(overrides["model"])).stem)
+    if overrides.get("model") is not None:
+        # Another base model gets folders of its own, so it never reuses or overwrites the config's.
+        stem = Path(str(overrides["model"])).stem
+        overrides = {"work_dir": str(Path(".train_mtp_work") / stem), "output_dir": f"mtp_{stem}",
+                     **{k: v for k, v in overrides.items() if v is not None}}
     for key, value in overrides.items():
         if value is None:
             continue
