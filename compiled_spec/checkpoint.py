@@ -197,6 +197,7 @@ def read_checkpoint(path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
 
 DRAFT_VOCAB_RANKING = "d2t"  # as EAGLE-3 names it: token ids, the most often drafted first
 MTP_CONFIG_NAME = "mtp_config.json"
+MTP_WEIGHTS_NAME = "mtp.safetensors"  # as train-mtp writes it; any *.safetensors in the directory is read
 
 
 def read_mtp_directory(path: Path, num_layers: int) -> tuple[dict, int, bool, torch.Tensor | None]:

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
+from .checkpoint import MTP_WEIGHTS_NAME
 from .errors import CompiledSpecError
 from .cache import cache_root
 
@@ -110,7 +111,7 @@ def shipped_mtp_modules(path: Path) -> Path | None:
     """The MTP modules this package ships for the named model whose local file is `path`, if any."""
     for name in MODELS:
         shipped = SHIPPED_MTP_ROOT / name
-        if (shipped / "mtp.safetensors").is_file() and model_path(name).resolve() == Path(path).resolve():
+        if (shipped / MTP_WEIGHTS_NAME).is_file() and model_path(name).resolve() == Path(path).resolve():
             return shipped
     return None
 

@@ -59,13 +59,19 @@ def teacher_forced_metrics(llm: LLM, windows: list[list[int]]) -> dict:
     }
 
 
+def generate_with_stats(llm: LLM, prompts: list, params: SamplingParams) -> tuple[list, SpecStats]:
+    """The outputs for `prompts` and their speculation statistics summed over all of them."""
+    outputs = llm.generate(prompts, params)
+    total = SpecStats(llm.num_speculative_tokens)
+    for output in outputs:
+        total.merge(output.stats)
+    return outputs, total
+
+
 def acceptance(model: Path, prompts: list[list[int]], k: int, max_tokens: int, graph_mode: str, max_seq_len: int = 512) -> dict:
     llm = LLM(model, num_speculative_tokens=k, graph_mode=graph_mode, max_batch_size=8, max_seq_len=max_seq_len,
               show_progress=False)
-    outputs = llm.generate(prompts, SamplingParams(max_tokens=max_tokens))
-    total = SpecStats(k)
-    for output in outputs:
-        total.merge(output.stats)
+    _, total = generate_with_stats(llm, prompts, SamplingParams(max_tokens=max_tokens))
     return {
         "k": k,
         "steps": total.steps,

@@ -12,14 +12,14 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import sysconfig
 from pathlib import Path
 
 from ..api import LLM
 from ..chat import chat_prompt
-from ..params import SamplingParams, SpecStats
 from ..checkpoint import MTP_CONFIG_NAME
-from .mtp_corpus import chat_prompts, is_held_out, prose_texts, stdlib_files
+from ..params import SamplingParams
+from .evaluate import generate_with_stats
+from .mtp_corpus import chat_prompts, held_out_code_files, prose_texts
 
 DEF_LINE = re.compile(r"^    def \w+\(.*\):\n|^def \w+\(.*\):\n", re.MULTILINE)
 
@@ -30,10 +30,8 @@ def held_out_prompts(config: dict, tokenizer, per_domain: int) -> dict[str, list
     if "code" in corpus["domains"]:
         # In each of per_domain held-out modules (training never reads any of them), the source up to and
         # including its first `def` line: the model writes the body.
-        root = Path(sysconfig.get_paths()["stdlib"])
-        held_out = [p for p in stdlib_files(root) if is_held_out(p, root, corpus["code_held_out_percent"])]
         openings = []
-        for path in held_out:
+        for path in held_out_code_files(corpus["code_held_out_percent"]):
             text = path.read_text(encoding="utf-8", errors="replace")
             match = DEF_LINE.search(text, len(text) // 3)
             if match:
@@ -52,10 +50,7 @@ def held_out_prompts(config: dict, tokenizer, per_domain: int) -> dict[str, list
 
 
 def acceptance(llm: LLM, prompts: list[str], max_tokens: int) -> dict:
-    outputs = llm.generate(prompts, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
-    total = SpecStats(llm.num_speculative_tokens)
-    for output in outputs:
-        total.merge(output.stats)
+    outputs, total = generate_with_stats(llm, prompts, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
     return {"steps": total.steps, "acceptance_rate_per_position": total.acceptance_rate_per_position,
             "mean_accepted_length": total.mean_accepted_length,
             "token_ids": [output.token_ids for output in outputs]}

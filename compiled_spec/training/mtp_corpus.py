@@ -37,9 +37,13 @@ HELD_OUT_CHAT_TOPICS = (
 )
 
 
+def stdlib_root() -> Path:
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
 def stdlib_files(root: Path | None = None) -> list[Path]:
     """The standard library's .py files, tests and vendored packages left out, in a stable order."""
-    root = Path(root or sysconfig.get_paths()["stdlib"])
+    root = Path(root or stdlib_root())
     skip = ("test", "tests", "idlelib", "site-packages", "lib2to3", "turtledemo", "__pycache__", "ensurepip")
     return sorted(p for p in root.rglob("*.py") if not any(part in skip for part in p.relative_to(root).parts))
 
@@ -49,8 +53,14 @@ def is_held_out(path: Path, root: Path, held_out_percent: int) -> bool:
     return zlib.crc32(str(path.relative_to(root)).encode()) % 100 < held_out_percent
 
 
+def held_out_code_files(held_out_percent: int) -> list[Path]:
+    """Every held-out module (code_texts keeps only as many as its size limit allows; training reads none)."""
+    root = stdlib_root()
+    return [path for path in stdlib_files(root) if is_held_out(path, root, held_out_percent)]
+
+
 def code_texts(max_chars: int, held_out_percent: int, root: Path | None = None) -> tuple[list[str], list[str]]:
-    root = Path(root or sysconfig.get_paths()["stdlib"])
+    root = Path(root or stdlib_root())
     train, held_out, sizes = [], [], [0, 0]
     held_out_limit = max_chars * held_out_percent // 100
     # In hash order, so a size limit samples modules from the whole library, not those starting with "a".

@@ -62,8 +62,8 @@ def depth_losses(logits_per_depth, input_ids, distill_fraction: float) -> list[t
 @torch.no_grad()
 def evaluate(model: LlamaWithMtp, windows: torch.Tensor, batch_size: int) -> dict:
     """Teacher-forced metrics per depth: CE loss and top-1 accuracy against the text, and for MTP
-    depths top-1 agreement with the main model's greedy token at the same target position."""
-    model.eval()
+    depths top-1 agreement with the main model's greedy token at the same target position (the loop puts the
+    model in eval mode around this call)."""
     num_depths = 1 + len(model.mtp_modules)
     loss_sum, correct, agree, count = [0.0] * num_depths, [0] * num_depths, [0] * num_depths, [0] * num_depths
     for batch in windows.split(batch_size):
@@ -77,7 +77,6 @@ def evaluate(model: LlamaWithMtp, windows: torch.Tensor, batch_size: int) -> dic
             correct[depth] += (predicted == targets).sum().item()
             agree[depth] += (predicted == main_greedy[:, depth:]).sum().item()
             count[depth] += targets.numel()
-    model.train()
     return {
         "loss": [s / n for s, n in zip(loss_sum, count)],
         "top1_accuracy": [c / n for c, n in zip(correct, count)],

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-from ..checkpoint import MTP_CONFIG_NAME, read_checkpoint
+from ..checkpoint import MTP_CONFIG_NAME, MTP_WEIGHTS_NAME, read_checkpoint
 from ..registry import resolve_model
 from ..tokenizer import load_tokenizer
 from . import loop
@@ -34,7 +34,6 @@ from .mtp_corpus import DOMAINS, chat_prompts, code_texts, prose_texts
 from .mtp_reference import DECODER_CLASSES, export_mtp_state_dict, mtp_chain, mtp_layers
 
 DEFAULT_CONFIG = Path(__file__).parent / "train_mtp_config.json"
-WEIGHTS_NAME = "mtp.safetensors"
 IGNORE = -100
 
 
@@ -220,7 +219,7 @@ class MtpTraining:
         staging = output_dir.parent / (output_dir.name + ".staging")
         shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir(parents=True)
-        save_file(state, str(staging / WEIGHTS_NAME), metadata={"format": "pt", "trained_by": "compiled-spec train-mtp",
+        save_file(state, str(staging / MTP_WEIGHTS_NAME), metadata={"format": "pt", "trained_by": "compiled-spec train-mtp",
                                                                  "step": str(step)})
         public_log = {k: v for k, v in log.items() if not k.startswith("_")}
         (staging / MTP_CONFIG_NAME).write_text(json.dumps(self.config, indent=2) + "\n")
