@@ -22,6 +22,20 @@ MAX_SPECULATIVE_TOKENS = 8
 DOMAINS = ("code", "prose", "chat")
 
 
+class DraftCount(click.ParamType):
+    """-k: a number of drafts per step, or auto."""
+
+    name = "K|auto"
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, int) or value == "auto":
+            return value
+        try:
+            return int(value)
+        except ValueError:
+            self.fail(f"{value!r} is neither a number of drafts (0..{MAX_SPECULATIVE_TOKENS}) nor 'auto'", param, ctx)
+
+
 class InputError(click.ClickException):
     """Bad input found by the engine (a CompiledSpecError): reported like a usage error."""
 
@@ -90,9 +104,13 @@ def engine_options(command):
                      help="Draft over the N tokens the MTP modules' base model predicts most often (the target "
                           "still verifies over the whole vocabulary, so output is unchanged). Default: the size the "
                           "modules were trained with; the vocabulary size drafts over all of it."),
-        click.option("-k", "--num-speculative-tokens", "num_speculative_tokens", type=int, default=None,
+        click.option("-k", "--num-speculative-tokens", "num_speculative_tokens", type=DraftCount(), default=None,
                      help=f"Tokens drafted per step by the MTP module(s), 0..{MAX_SPECULATIVE_TOKENS}; "
-                          "0 turns speculation off.  [default: 3, or 0 for a model without MTP modules]"),
+                          "0 turns speculation off; auto chooses k before each step, 0..--max-speculative-tokens, "
+                          "for the most expected tokens per second (from step times measured at start-up and the "
+                          "running acceptance).  [default: 3, or 0 for a model without MTP modules]"),
+        click.option("--max-speculative-tokens", "max_speculative_tokens", type=int, default=3, show_default=True,
+                     help="With -k auto: the largest k it may choose."),
         click.option("--seed", type=click.IntRange(0, 2**32 - 1), default=0, show_default=True,
                      help="Base seed for sampling; each prompt gets its own seed derived from it."),
         click.option("--graph-mode", "graph_mode", type=click.Choice(GRAPH_MODES), default=None,
@@ -116,13 +134,14 @@ def engine_options(command):
 
 
 def make_llm(model, mtp, draft_vocab_size, num_speculative_tokens, graph_mode, max_batch_size, max_seq_len, seed,
-             hisparse, top_k_tokens, hot_rows, cold_dtype, cold_pool, warm_up=True):
+             hisparse, top_k_tokens, hot_rows, cold_dtype, cold_pool, warm_up=True, max_speculative_tokens=3):
     """The LLM engine_options ask for; bad input becomes an InputError (one `error:` line, exit 2)."""
     from compiled_spec import LLM, CompiledSpecError
 
     try:
         sparse = hisparse_config(hisparse, top_k_tokens, hot_rows, cold_dtype, cold_pool)
-        return LLM(model, num_speculative_tokens=num_speculative_tokens, graph_mode=graph_mode,
+        return LLM(model, num_speculative_tokens=num_speculative_tokens, max_speculative_tokens=max_speculative_tokens,
+                   graph_mode=graph_mode,
                    max_batch_size=max_batch_size, max_seq_len=max_seq_len, seed=seed, hisparse=sparse, mtp=mtp,
                    draft_vocab_size=draft_vocab_size, warm_up=warm_up)
     except CompiledSpecError as error:
@@ -171,8 +190,8 @@ def main():
               help="Each PROMPT is a user message: apply the model's chat template and print only the answer.")
 @click.option("--json", "as_json", is_flag=True,
               help="Print one JSON object per prompt, then one with the aggregate (JSON lines).")
-def generate(prompts, prompt_ids, model, mtp, draft_vocab_size, num_speculative_tokens, temperature, top_p, top_k,
-             max_tokens, seed,
+def generate(prompts, prompt_ids, model, mtp, draft_vocab_size, num_speculative_tokens, max_speculative_tokens,
+             temperature, top_p, top_k, max_tokens, seed,
              graph_mode, max_batch_size, max_seq_len, stop, ignore_eos, chat, as_json, hisparse, top_k_tokens, hot_rows,
              cold_dtype, cold_pool):
     """Generate text for each PROMPT with MTP speculative decoding.
@@ -210,8 +229,8 @@ def generate(prompts, prompt_ids, model, mtp, draft_vocab_size, num_speculative_
     except CompiledSpecError as error:
         raise InputError(str(error)) from None
     llm = make_llm(model, mtp, draft_vocab_size, num_speculative_tokens, graph_mode, max_batch_size, max_seq_len,
-                   seed, hisparse,
-                   top_k_tokens, hot_rows, cold_dtype, cold_pool)
+                   seed, hisparse, top_k_tokens, hot_rows, cold_dtype, cold_pool,
+                   max_speculative_tokens=max_speculative_tokens)
     if llm.tokenizer is None and any(isinstance(p, str) for p in all_prompts):
         raise InputError(f"model {str(llm.path)!r} has no tokenizer; pass prompts as --prompt-ids 1,2,3")
 
@@ -233,7 +252,8 @@ def generate(prompts, prompt_ids, model, mtp, draft_vocab_size, num_speculative_
     outputs = llm.generate(model_prompts, params, on_tokens=streamer.on_tokens if streamer else None)
     elapsed = time.perf_counter() - start
 
-    summary = cli_format.Summary(llm.num_speculative_tokens, llm.config.graph_mode.value, outputs, elapsed)
+    summary = cli_format.Summary(llm.num_speculative_tokens, llm.config.graph_mode.value, outputs, elapsed,
+                                 draft_slots=llm.draft_slots)
     for index, (prompt, output) in enumerate(zip(all_prompts, outputs)):
         if as_json:
             click.echo(cli_format.to_json(cli_format.request_record(index, prompt, output)))
@@ -272,8 +292,8 @@ def generate(prompts, prompt_ids, model, mtp, draft_vocab_size, num_speculative_
               help="Append one JSON line per decode step: the requests in the batch, drafts accepted, waiting.")
 @click.option("--log-level", "log_level", type=click.Choice(("critical", "error", "warning", "info", "debug")),
               default="info", show_default=True)
-def serve(model, mtp, draft_vocab_size, num_speculative_tokens, graph_mode, max_batch_size, max_seq_len, seed,
-          hisparse, top_k_tokens,
+def serve(model, mtp, draft_vocab_size, num_speculative_tokens, max_speculative_tokens, graph_mode, max_batch_size,
+          max_seq_len, seed, hisparse, top_k_tokens,
           hot_rows, cold_dtype, cold_pool, host, port, api_key, served_model_name, max_queue, max_request_bytes,
           shutdown_timeout, step_log, log_level):
     """Serve the model over HTTP with an OpenAI-compatible API.
@@ -302,8 +322,8 @@ def serve(model, mtp, draft_vocab_size, num_speculative_tokens, graph_mode, max_
     from compiled_spec.server import ServerOptions, serve as run_server
 
     llm = make_llm(model, mtp, draft_vocab_size, num_speculative_tokens, graph_mode, max_batch_size, max_seq_len,
-                   seed, hisparse,
-                   top_k_tokens, hot_rows, cold_dtype, cold_pool, warm_up=False)  # the engine thread warms up
+                   seed, hisparse, top_k_tokens, hot_rows, cold_dtype, cold_pool, warm_up=False,
+                   max_speculative_tokens=max_speculative_tokens)  # the engine thread warms up
     if served_model_name:
         name = served_model_name
     elif llm.path == DEFAULT_MODEL:

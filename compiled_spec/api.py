@@ -29,7 +29,8 @@ class LLM:
         self,
         model: str | Path | None = None,
         *,
-        num_speculative_tokens: int | None = None,
+        num_speculative_tokens: int | str | None = None,
+        max_speculative_tokens: int = 3,
         graph_mode: str | GraphMode | None = None,
         max_batch_size: int = 8,
         max_seq_len: int = 512,
@@ -44,7 +45,9 @@ class LLM:
         mtp: str | Path | None = None,
         draft_vocab_size: int | None = None,
     ):
-        """mtp: a directory of MTP modules for the base model (compiled-spec train-mtp writes one); a named model
+        """num_speculative_tokens: drafts per step (k), or "auto": before each step, the k in
+        0..max_speculative_tokens with the most expected tokens per second, from step times measured at warm-up
+        and the running acceptance. mtp: a directory of MTP modules for the base model (compiled-spec train-mtp writes one); a named model
         uses the modules shipped for it. draft_vocab_size: drafts sample over the modules' most frequent tokens
         (default: the size they were trained with; the vocabulary size, or more, drafts over all of it)."""
         self.path = resolve_model(model) or DEFAULT_MODEL
@@ -52,6 +55,7 @@ class LLM:
         self.mtp_path = None if mtp is None else Path(mtp)
         self.config = EngineConfig(
             num_speculative_tokens=num_speculative_tokens,
+            max_speculative_tokens=max_speculative_tokens,
             graph_mode=GraphMode.default_for(device) if graph_mode is None else GraphMode.parse(graph_mode),
             max_batch_size=max_batch_size,
             max_seq_len=max_seq_len,
@@ -72,13 +76,32 @@ class LLM:
         self.tokenizer = load_tokenizer(self.path)
         self.eos_ids = eos_token_ids(self.path, self.model_config.eos_token_ids, self.tokenizer)
         self.engine = Engine(self.model, self.config, self.eos_ids, self.tokenizer)
+        self.engine.calibration_prompt = self._calibration_prompt()
         if warm_up:
             self.engine.warm_up(show_progress)
         self._requests_made = itertools.count()  # seeds unseeded requests; next() is atomic across threads
 
     @property
-    def num_speculative_tokens(self) -> int:
+    def num_speculative_tokens(self) -> int | str:
+        """k, or "auto"."""
         return self.config.num_speculative_tokens
+
+    @property
+    def draft_slots(self) -> int:
+        """The most drafts one step verifies: k, or max_speculative_tokens with auto."""
+        return self.engine.k
+
+    def _calibration_prompt(self) -> list[int] | None:
+        """What k = auto decodes at warm-up to seed its acceptance estimates: a short text, as a chat turn for a
+        model with a chat template."""
+        if not self.engine.chooser:
+            return None
+        if self.tokenizer is None:
+            return [self.model_config.bos_token_id or 0]
+        text = "Write a short Python function that returns the sum of a list of numbers."
+        if getattr(self.tokenizer, "chat_template", None):
+            text = chat_prompt(self.tokenizer, [{"role": "user", "content": text}])
+        return self.encode(text)[: self.config.max_seq_len // 2]
 
     def encode(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -131,7 +154,7 @@ class LLM:
                 request = self.make_request(index, prompt, params)
             except CompiledSpecError as error:
                 outputs.append(RequestOutput([], finish_reason="error", error=str(error),
-                                             stats=SpecStats(self.num_speculative_tokens)))
+                                             stats=SpecStats(self.draft_slots)))
                 continue
             outputs.append(request.output)
             requests.append(request)
@@ -152,7 +175,7 @@ class LLM:
         """A checked request for the engine (a CompiledSpecError names what is wrong with the prompt)."""
         prompt_ids = self._check_prompt(prompt)
         seed = params.seed if params.seed is not None else self.config.seed * 1_000_003 + next(self._requests_made)
-        output = RequestOutput(prompt_token_ids=prompt_ids, stats=SpecStats(self.num_speculative_tokens))
+        output = RequestOutput(prompt_token_ids=prompt_ids, stats=SpecStats(self.draft_slots))
         return Request(index, prompt_ids, params, seed, output)
 
     @torch.inference_mode()
@@ -160,7 +183,7 @@ class LLM:
         ids = self._check_prompt(list(token_ids))
         config, device = self.model_config, self.config.device
         dtype = self.config.torch_dtype()
-        state = DecodeState.allocate(config, 1, len(ids) + 1, max(1, self.config.num_speculative_tokens), dtype, device)
+        state = DecodeState.allocate(config, 1, len(ids) + 1, max(1, self.draft_slots), dtype, device)
         cos, sin = rotary_tables(config, state.cache_capacity)
         constants = StepConstants(cos.to(device, dtype), sin.to(device, dtype), torch.zeros(0, dtype=torch.int64), len(ids) + 1)
         tokens = torch.tensor([ids], device=device)

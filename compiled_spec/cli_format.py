@@ -63,8 +63,15 @@ def stats_record(stats: SpecStats) -> dict:
         "drafted": stats.drafted,
         "accepted": stats.accepted,
         "acceptance_rate_per_position": stats.acceptance_rate_per_position,
+        "verified_per_position": stats.verified_per_position,
         "mean_accepted_length": stats.mean_accepted_length,
+        "steps_per_num_drafts": {str(k): count for k, count in sorted(stats.steps_per_num_drafts.items())},
     }
+
+
+def num_drafts_used(stats: SpecStats) -> str:
+    """How often each k was chosen: "k=0 12 steps, k=2 30 steps"."""
+    return ", ".join(f"k={k} {count} steps" for k, count in sorted(stats.steps_per_num_drafts.items()))
 
 
 def request_record(index: int, prompt: Prompt, output: RequestOutput) -> dict:
@@ -83,13 +90,16 @@ def request_record(index: int, prompt: Prompt, output: RequestOutput) -> dict:
 class Summary:
     """All requests of one command together: tokens/s and the merged speculation statistics."""
 
-    def __init__(self, num_speculative_tokens: int, graph_mode: str, outputs: list[RequestOutput], elapsed_s: float):
+    def __init__(self, num_speculative_tokens: int | str, graph_mode: str, outputs: list[RequestOutput],
+                 elapsed_s: float, draft_slots: int | None = None):
+        """num_speculative_tokens: k or "auto"; draft_slots: the most drafts a step verifies (default: k)."""
+        self.num_speculative_tokens = num_speculative_tokens
         self.graph_mode = graph_mode
         self.elapsed_s = elapsed_s
         self.requests = len(outputs)
         self.errors = sum(output.finish_reason == "error" for output in outputs)
         self.generated_tokens = sum(len(output.token_ids) for output in outputs)
-        self.stats = SpecStats(num_speculative_tokens)
+        self.stats = SpecStats(num_speculative_tokens if draft_slots is None else draft_slots)
         for output in outputs:
             if output.finish_reason != "error":
                 self.stats.merge(output.stats)
@@ -100,12 +110,15 @@ class Summary:
 
     def line(self) -> str:
         parts = [f"{self.generated_tokens} tokens in {self.elapsed_s:.2f} s ({self.tokens_per_s:.1f} tokens/s)"]
-        k = self.stats.num_speculative_tokens
+        k = self.num_speculative_tokens
         if k == 0:
             parts.append("k=0: no speculation")
         else:
-            rates = " ".join(f"{rate:.0%}" for rate in self.stats.acceptance_rate_per_position)
+            rates = " ".join(f"{rate:.0%}" if verified else "-" for rate, verified in
+                             zip(self.stats.acceptance_rate_per_position, self.stats.verified_per_position))
             parts.append(f"k={k}, acceptance by draft position: {rates}")
+            if k == "auto":
+                parts.append(f"chosen: {num_drafts_used(self.stats)}")
             parts.append(f"mean accepted length {self.stats.mean_accepted_length:.2f} tokens/step "
                          f"over {self.stats.steps} steps")
         if self.errors:
@@ -120,6 +133,7 @@ class Summary:
             "elapsed_s": self.elapsed_s,
             "tokens_per_s": self.tokens_per_s,
             "graph_mode": self.graph_mode,
+            "num_speculative_tokens": self.num_speculative_tokens,
             "stats": stats_record(self.stats),
         }
 

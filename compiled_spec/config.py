@@ -156,6 +156,7 @@ class ModelConfig:
 
 
 MAX_SPECULATIVE_TOKENS = 8
+AUTO = "auto"
 DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -177,7 +178,8 @@ def dtype_name(dtype, checkpoint_dtype: str | None) -> str:
 
 @dataclass(slots=True)
 class EngineConfig:
-    num_speculative_tokens: int = 3
+    num_speculative_tokens: int | str = 3  # or "auto": chosen per step, 0..max_speculative_tokens
+    max_speculative_tokens: int = 3
     graph_mode: GraphMode = GraphMode.EAGER
     max_batch_size: int = 8
     max_seq_len: int = 512
@@ -195,16 +197,32 @@ class EngineConfig:
             raise CompiledSpecError(f"dtype={self.dtype!r} is not supported; choose float32, bfloat16 or float16")
         return getattr(torch, self.dtype)
 
+    @property
+    def auto(self) -> bool:
+        return self.num_speculative_tokens == AUTO
+
+    @property
+    def draft_slots(self) -> int:
+        """K: the most drafts one step makes (max_speculative_tokens with auto)."""
+        return self.max_speculative_tokens if self.auto else self.num_speculative_tokens
+
     def validate(self, model_config: ModelConfig) -> None:
         k = self.num_speculative_tokens
-        if not isinstance(k, int) or not 0 <= k <= MAX_SPECULATIVE_TOKENS:
+        if self.auto:
+            limit = self.max_speculative_tokens
+            if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= MAX_SPECULATIVE_TOKENS:
+                raise CompiledSpecError(
+                    f"max_speculative_tokens={limit!r} is out of range; allowed 1..{MAX_SPECULATIVE_TOKENS}"
+                )
+            k = limit
+        elif isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_SPECULATIVE_TOKENS:
             raise CompiledSpecError(
-                f"num_speculative_tokens={k!r} is out of range; allowed 0..{MAX_SPECULATIVE_TOKENS}"
+                f"num_speculative_tokens={k!r} is out of range; allowed 0..{MAX_SPECULATIVE_TOKENS}, or 'auto'"
             )
         if k > 0 and model_config.num_mtp_modules == 0:
             raise CompiledSpecError(
-                f"num_speculative_tokens={k} needs MTP weights, but this checkpoint has no MTP modules; "
-                "use num_speculative_tokens=0"
+                f"num_speculative_tokens={self.num_speculative_tokens} needs MTP weights, but this checkpoint has no "
+                "MTP modules; use num_speculative_tokens=0"
             )
         self.graph_mode = GraphMode.parse(self.graph_mode)
         if not isinstance(self.max_batch_size, int) or not 1 <= self.max_batch_size <= 256:
@@ -221,4 +239,4 @@ class EngineConfig:
 
             if not isinstance(self.hisparse, HiSparseConfig):
                 raise CompiledSpecError(f"hisparse={self.hisparse!r} must be None or a HiSparseConfig")
-            self.hisparse.validate(k)
+            self.hisparse.validate(self.draft_slots)

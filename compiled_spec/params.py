@@ -36,20 +36,34 @@ class SamplingParams:
 
 @dataclass
 class SpecStats:
-    """Speculation statistics of one request: per verify step, k drafted, a prefix accepted."""
+    """Speculation statistics of one request: per verify step, some drafts verified, a prefix accepted.
+
+    num_speculative_tokens is the most drafts a step verifies (K); with k = auto a step may verify fewer, and
+    steps_per_num_drafts counts the steps by the k chosen for them."""
 
     num_speculative_tokens: int
     steps: int = 0
     drafted: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
+    verified_per_position: list[int] = field(default_factory=list)
+    steps_per_num_drafts: dict[int, int] = field(default_factory=dict)
 
     def __post_init__(self):
         if not self.accepted_per_position:
             self.accepted_per_position = [0] * self.num_speculative_tokens
+        if not self.verified_per_position:
+            self.verified_per_position = [0] * self.num_speculative_tokens
 
-    def record(self, accepted: int) -> None:
+    def record(self, accepted: int, verified: int | None = None, num_drafts: int | None = None) -> None:
+        """One step that verified `verified` drafts (default K) and accepted the first `accepted`; num_drafts: the
+        k the step ran with (default: verified)."""
+        verified = self.num_speculative_tokens if verified is None else verified
+        num_drafts = verified if num_drafts is None else num_drafts
         self.steps += 1
-        self.drafted += self.num_speculative_tokens
+        self.drafted += verified
+        self.steps_per_num_drafts[num_drafts] = self.steps_per_num_drafts.get(num_drafts, 0) + 1
+        for position in range(verified):
+            self.verified_per_position[position] += 1
         for position in range(accepted):
             self.accepted_per_position[position] += 1
 
@@ -59,7 +73,9 @@ class SpecStats:
 
     @property
     def acceptance_rate_per_position(self) -> list[float]:
-        return [count / self.steps if self.steps else 0.0 for count in self.accepted_per_position]
+        """Per draft position: accepted / verified (with a fixed k, every step verifies every position)."""
+        return [count / verified if verified else 0.0
+                for count, verified in zip(self.accepted_per_position, self.verified_per_position)]
 
     @property
     def mean_accepted_length(self) -> float:
@@ -71,6 +87,10 @@ class SpecStats:
         self.drafted += other.drafted
         for position, count in enumerate(other.accepted_per_position):
             self.accepted_per_position[position] += count
+        for position, count in enumerate(other.verified_per_position):
+            self.verified_per_position[position] += count
+        for k, count in other.steps_per_num_drafts.items():
+            self.steps_per_num_drafts[k] = self.steps_per_num_drafts.get(k, 0) + count
 
 
 @dataclass

@@ -36,3 +36,11 @@ def without_draft_mirror(config):
     never reach the cold pool (in vLLM the draft layer wrote after the per-step host mirror had run), so a
     row evicted and later swapped back in comes from a stale cold pool."""
     return dataclasses.replace(config, draft_mirror=False)
+
+
+def step_without_draft_counts(model, state, constants, batch_size, num_drafts=None):
+    """The real step, except that the per-slot count of valid drafts is written into a copy: after a step that
+    drafted fewer than K, the slots past its drafts still count as valid, so stale drafts get verified."""
+    scratch = DecodeState(**{f.name: getattr(state, f.name) for f in fields(state)})
+    scratch.draft_counts = state.draft_counts.clone()
+    speculative_step(model, scratch, constants, batch_size, num_drafts)

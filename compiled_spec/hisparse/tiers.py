@@ -58,9 +58,13 @@ def layer_tiers(state, index: int) -> LayerTiers:
     return LayerTiers(*(getattr(state, name)[index] for name in TIER_FIELDS))
 
 
-def tier_field_names(state) -> list[str]:
-    """State fields HiSparse writes in both the step and prefill (for the state-mutation pass)."""
-    return [f"{name}[{i}]" for name in TIER_FIELDS for i in range(len(getattr(state, name)))]
+def tier_field_names(state, num_drafts: int | None = None) -> list[str]:
+    """State fields HiSparse writes in a pass that runs num_drafts draft depths (default: all; for the
+    state-mutation pass)."""
+    count = len(state.hot_keys)
+    if num_drafts is not None and count:
+        count = len(state.main_keys) + num_drafts
+    return [f"{name}[{i}]" for name in TIER_FIELDS for i in range(count)]
 
 
 def reset_hot_rows(state, slot: torch.Tensor) -> None:

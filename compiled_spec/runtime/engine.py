@@ -19,10 +19,11 @@ from ..config import EngineConfig, GraphMode
 from ..hisparse.indexer import index_key_dims
 from ..model.causal_lm import CausalLM
 from ..model.rope import rotary_tables
-from ..params import RequestOutput, SamplingParams
+from ..params import RequestOutput, SamplingParams, SpecStats
 from ..speculative.state import DecodeState, move_slot
 from ..speculative.step import StepConstants
 from .buckets import checked_buckets, default_batch_buckets, default_prefill_buckets, pick_bucket
+from .draft_chooser import DraftLengthChooser
 from .graph_modes import StepRunner
 
 TokenCallback = Callable[[int, list[int]], None]
@@ -35,6 +36,7 @@ class Request:
     params: SamplingParams
     seed: int
     output: RequestOutput
+    valid_drafts: int = 0  # drafts its slot holds for the next step (mirrors DecodeState.draft_counts)
 
 
 @dataclass
@@ -42,6 +44,8 @@ class StepRecord:
     finished: list[Request]  # requests this step finished; their slots are free again
     lanes: list[tuple[int, int]]  # per lane: (request index, accepted drafts)
     seconds: float  # wall time, the host copy of the step's results included
+    num_drafts: int = 0  # k: the drafts this step made for the next one
+    verified: list[int] | None = None  # per lane: drafts it verified (fewer than k after a step with a smaller k)
 
 
 class Engine:
@@ -49,7 +53,8 @@ class Engine:
         self.model = model
         self.config = config
         self.tokenizer = tokenizer
-        self.k = config.num_speculative_tokens
+        self.k = config.draft_slots  # K: draft slots in the state; a step drafts k <= K of them
+        self.chooser = DraftLengthChooser(self.k) if config.auto else None
         device = torch.device(config.device)
         dtype = config.torch_dtype()
         hisparse = config.hisparse
@@ -75,33 +80,74 @@ class Engine:
         self.prefill_buckets = checked_buckets(
             config.prefill_buckets or default_prefill_buckets(config.max_seq_len), config.max_seq_len, "prefill_buckets"
         )
-        self.runner = StepRunner(model, self.state, self.constants, config.graph_mode)
+        self.runner = StepRunner(model, self.state, self.constants, config.graph_mode,
+                                 draft_lengths=tuple(range(self.k)) if config.auto else ())
         self.slots: list[Request] = []
         self.step_log: list[list[tuple[int, int]]] = []  # per step: (request index, accepted) of each lane
         self.step_seconds: list[float] = []  # wall time of each decode step, the host copy of its results included
         self.warmup_seconds = 0.0
+        self.calibration_prompt: list[int] | None = None  # what k = auto decodes at warm-up (the LLM sets it)
+
+    def draft_lengths(self) -> list[int | None]:
+        """The k values steps run with: every 0..K with auto, else None (the fixed k)."""
+        return list(range(self.k + 1)) if self.chooser else [None]
 
     def warm_up(self, show_progress: bool = True) -> None:
-        """Compiles every batch bucket and prefill bucket once, before any request is admitted."""
-        if self.config.graph_mode == GraphMode.EAGER:
-            return
+        """Compiles every batch bucket (for every k with auto) and prefill bucket once, before any request is
+        admitted. With auto it then times every (bucket, k) graph and seeds the acceptance estimates by decoding
+        self.calibration_prompt."""
         if self.slots:
             raise RuntimeError("warm_up() must run before requests are admitted")
         start = time.perf_counter()
+        if self.config.graph_mode != GraphMode.EAGER:
+            self._compile_buckets(show_progress)
+        if self.chooser:
+            self._time_steps()
+            if self.calibration_prompt:
+                self._calibrate(self.calibration_prompt)
+        self.warmup_seconds = time.perf_counter() - start
+
+    def _compile_buckets(self, show_progress: bool) -> None:
         device = self.state.seq_lens.device
-        work = [("step", size) for size in reversed(self.batch_buckets)]
-        work += [("prefill", size) for size in reversed(self.prefill_buckets)]
+        work = [("step", size, k) for size in reversed(self.batch_buckets) for k in self.draft_lengths()]
+        work += [("prefill", size, None) for size in reversed(self.prefill_buckets)]
         bar = tqdm(work, desc="compiling buckets", unit="graph", disable=not show_progress)
-        for kind, size in bar:
-            bar.set_postfix_str(f"{kind} {'batch' if kind == 'step' else 'prompt'}={size}")
+        for kind, size, k in bar:
+            drafts = "" if k is None else f" k={k}"
+            bar.set_postfix_str(f"{kind} {'batch' if kind == 'step' else 'prompt'}={size}{drafts}")
             if kind == "step":
-                self.runner.step(size)  # every slot is free and marked done: nothing live is touched
+                self.runner.step(size, k)  # every slot is free and marked done: nothing live is touched
             else:
                 slot = torch.zeros(1, dtype=torch.int64, device=device)
                 prompt = torch.zeros(1, size, dtype=torch.int64, device=device)
                 self.runner.prefill(slot, prompt, torch.ones(1, dtype=torch.int64, device=device))
                 self.state.done[0] = True
-        self.warmup_seconds = time.perf_counter() - start
+
+    def _time_steps(self, repeats: int = 5) -> None:
+        """Seconds per step of every (bucket, k), the median of a few runs over free slots."""
+        for size in self.batch_buckets:
+            for k in range(self.k + 1):
+                self.runner.step(size, k)
+                times = []
+                for _ in range(repeats):
+                    begin = time.perf_counter()
+                    self.runner.step(size, k)
+                    self.state.step_emitted[:size].tolist()  # the host copy a live step makes
+                    times.append(time.perf_counter() - begin)
+                self.chooser.seconds[(size, k)] = sorted(times)[repeats // 2]
+
+    def _calibrate(self, prompt_ids: list[int], max_tokens: int = 48) -> None:
+        """Decodes one greedy request with every draft slot and seeds the acceptance estimates from it."""
+        output = RequestOutput(prompt_token_ids=list(prompt_ids), stats=SpecStats(self.k))
+        request = Request(-1, list(prompt_ids), SamplingParams(max_tokens=max_tokens, ignore_eos=True), 0, output)
+        chooser, self.chooser = self.chooser, None  # every step drafts K
+        try:
+            self.admit(request)
+            while self.slots:
+                self.step()
+        finally:
+            self.chooser = chooser
+        chooser.seed_acceptance(output.stats.accepted_per_position, output.stats.verified_per_position)
 
     def run(self, requests: list[Request], on_tokens: TokenCallback | None = None) -> None:
         """Decodes a known list of requests to the end, recording every step in step_log and step_seconds."""
@@ -140,6 +186,7 @@ class Engine:
         self.runner.prefill(
             torch.tensor([slot], device=device), prompt, torch.tensor([length], device=device)
         )
+        request.valid_drafts = self.k  # prefill drafts every slot
         self.slots.append(request)
         finished, _ = self._collect(slot + 1, on_tokens, first_slot=slot, record_stats=False)
         return finished
@@ -148,9 +195,15 @@ class Engine:
         """One speculative step over every admitted request; finished requests leave their slots."""
         start = time.perf_counter()
         batch = pick_bucket(self.batch_buckets, len(self.slots))
-        self.runner.step(batch)
-        finished, lanes = self._collect(len(self.slots), on_tokens, first_slot=0, record_stats=True)
-        return StepRecord(finished, lanes, time.perf_counter() - start)
+        k = self.chooser.choose(batch) if self.chooser else self.k
+        verified = [min(k, request.valid_drafts) for request in self.slots]
+        self.runner.step(batch, k if self.chooser else None)
+        finished, lanes = self._collect(len(self.slots), on_tokens, first_slot=0, record_stats=True,
+                                        num_drafts=k, verified=verified)
+        seconds = time.perf_counter() - start
+        if self.chooser:
+            self.chooser.observe_step(batch, k, seconds, [(v, accepted) for v, (_, accepted) in zip(verified, lanes)])
+        return StepRecord(finished, lanes, seconds, k, verified)
 
     def abort(self, index: int) -> Request | None:
         """Frees the slot of the running request with this index (between steps); None if none runs."""
@@ -163,10 +216,12 @@ class Engine:
                 return request
         return None
 
-    def _collect(self, end: int, on_tokens, first_slot: int, record_stats: bool):
+    def _collect(self, end: int, on_tokens, first_slot: int, record_stats: bool, num_drafts: int = 0,
+                 verified: list[int] | None = None):
         """Reads what slots first_slot..end-1 emitted (one device-to-host copy) and frees finished slots.
 
-        Returns the finished requests and, per lane, (request index, accepted drafts).
+        num_drafts: the k of the step; verified: per lane, the drafts it verified. Returns the finished requests
+        and, per lane, (request index, accepted drafts).
         """
         s = self.state
         packed = torch.cat(
@@ -181,7 +236,8 @@ class Engine:
             if record_stats:
                 lanes.append((request.index, accepted))
                 if self.k > 0:
-                    request.output.stats.record(accepted)
+                    request.output.stats.record(accepted, verified[offset], num_drafts)
+                request.valid_drafts = num_drafts
             kept = len(request.output.token_ids)
             stopped = self._append(request, tokens[:count])
             new_tokens = request.output.token_ids[kept:]  # a stop string drops the tokens after it

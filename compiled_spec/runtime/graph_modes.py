@@ -73,7 +73,10 @@ class StepRunner:
         passes: list | None = None,
         step_function=speculative_step,
         prefill_function=prefill,
+        draft_lengths: tuple[int, ...] = (),
     ):
+        """draft_lengths: the k values below the state's draft slots K that step(batch_size, k) is called with
+        (k = auto); each k is a graph of its own, with the writes it makes checked by its own passes."""
         self.mode = mode
         self.state = state
         captures = mode in (GraphMode.PIECEWISE, GraphMode.FULL)
@@ -82,6 +85,7 @@ class StepRunner:
         self.managers: dict[str, SpecPassManager] = {}
         self._bound = (model, graph_state, constants)
         self._step, self._prefill = step_function, prefill_function
+        self._steps_by_k: dict[int, object] = {k: step_function for k in draft_lengths}
         if mode == GraphMode.EAGER:
             return
         device = state.seq_lens.device
@@ -89,21 +93,22 @@ class StepRunner:
             for tensor in graph_state.tensors() + [constants.rope_cos, constants.rope_sin, constants.eos_ids]:
                 torch._dynamo.mark_static_address(tensor)
         options = inductor_options(mode, device)
-        writes = state_writes(state)
-        compiled = {}
         model_key = model_digest(model, constants) if options.get("freezing") else None
-        for name, function in (("step", step_function), ("prefill", prefill_function)):
+
+        def compiled(name: str, function, num_drafts: int | None = None):
             context = PassContext(
-                graph_name=f"{name} ({mode.value})", state_writes=writes,
+                graph_name=f"{name} ({mode.value})", state_writes=state_writes(state, num_drafts),
                 options={**options, **({"hisparse": repr(constants.hisparse)} if constants.hisparse else {})},
             )
             manager = SpecPassManager(passes if passes is not None else default_passes(constants.hisparse), context)
             self.managers[name] = manager
             if options.get("freezing"):
-                compiled[name] = AheadOfTimeCompiled(function, manager, options, model_key)
-            else:
-                compiled[name] = torch.compile(function, fullgraph=True, dynamic=False, backend=spec_backend(options, manager))
-        self._step, self._prefill = compiled["step"], compiled["prefill"]
+                return AheadOfTimeCompiled(function, manager, options, model_key)
+            return torch.compile(function, fullgraph=True, dynamic=False, backend=spec_backend(options, manager))
+
+        self._step, self._prefill = compiled("step", step_function), compiled("prefill", prefill_function)
+        # Dynamo keeps one cache per function and tells these apart by backend, so each k has its own passes.
+        self._steps_by_k = {k: compiled(f"step k={k}", step_function, k) for k in draft_lengths}
 
     def packages(self) -> tuple[list[str], list[str]]:
         """(compiled, loaded): the ahead-of-time packages (full on CPU) this runner has compiled and loaded."""
@@ -115,11 +120,15 @@ class StepRunner:
         return sum(f.export_traces for f in self._packaged())
 
     def _packaged(self) -> list[AheadOfTimeCompiled]:
-        return [f for f in (self._step, self._prefill) if isinstance(f, AheadOfTimeCompiled)]
+        functions = (self._step, self._prefill, *self._steps_by_k.values())
+        return [f for f in functions if isinstance(f, AheadOfTimeCompiled)]
 
     @torch.inference_mode()
-    def step(self, batch_size: int):
-        return self._step(*self._bound, batch_size)
+    def step(self, batch_size: int, num_drafts: int | None = None):
+        """One step that drafts num_drafts tokens: None or K (every draft slot), or one of draft_lengths."""
+        if num_drafts is None or num_drafts == self.state.draft_tokens.shape[1]:
+            return self._step(*self._bound, batch_size)
+        return self._steps_by_k[num_drafts](*self._bound, batch_size, num_drafts)
 
     @torch.inference_mode()
     def prefill(self, slot: torch.Tensor, prompt_ids: torch.Tensor, prompt_len: torch.Tensor):

@@ -47,7 +47,7 @@ class ServerOptions:
 def create_app(llm: LLM, options: ServerOptions) -> FastAPI:
     if llm.tokenizer is None:
         raise CompiledSpecError(f"serve needs a model with a tokenizer; {str(llm.path)!r} has none")
-    metrics = ServerMetrics(options.model_name, llm.num_speculative_tokens)
+    metrics = ServerMetrics(options.model_name, llm.draft_slots)
     loop = EngineLoop(llm.engine, metrics, options.max_queue, options.step_log)
     tokenizer = copy.deepcopy(llm.tokenizer)
     request_numbers = itertools.count()

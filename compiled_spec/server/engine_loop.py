@@ -168,12 +168,12 @@ class EngineLoop:
                 self._fail(pending, f"decode step failed: {error}")
             return
         self._steps += 1
-        self.metrics.record_step([accepted for _, accepted in record.lanes])
+        self.metrics.record_step([accepted for _, accepted in record.lanes], record.verified, record.num_drafts)
         if self._step_log:
             self._step_log.write(json.dumps({
                 "step": self._steps, "time": time.time(), "lanes": [index for index, _ in record.lanes],
                 "accepted": [accepted for _, accepted in record.lanes], "waiting": self._queued,
-                "seconds": record.seconds,
+                "seconds": record.seconds, "num_drafts": record.num_drafts,
             }) + "\n")
         self._ended(record.finished)
 

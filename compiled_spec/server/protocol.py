@@ -180,6 +180,7 @@ def spec_decode_stats(stats: SpecStats) -> dict:
         "num_accepted_tokens_per_pos": list(stats.accepted_per_position),
         "acceptance_rate_per_position": stats.acceptance_rate_per_position,
         "mean_accepted_length": stats.mean_accepted_length,
+        "num_steps_per_num_drafts": {str(k): count for k, count in sorted(stats.steps_per_num_drafts.items())},
     }
 
 

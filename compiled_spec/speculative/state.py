@@ -21,11 +21,14 @@ class DecodeState:
     # The last committed token t_{L-1}, not yet in the main KV cache, and L = committed length.
     pending_tokens: torch.Tensor  # [slots] int64
     seq_lens: torch.Tensor  # [slots] int64
-    # Drafts for the next step, t_L .. t_{L+k-1}, and the draft distributions they were sampled from.
-    draft_tokens: torch.Tensor  # [slots, k] int64
-    draft_probs: torch.Tensor  # [slots, k, vocab] float32
-    # Depth-d MTP hidden state at row L-d-1, for d = 1..k-1: the row before depth d+1's window.
-    carry_hidden: torch.Tensor  # [slots, max(k-1, 0), hidden]
+    # Drafts for the next step, t_L .. t_{L+K-1}, and the draft distributions they were sampled from. K is the
+    # number of draft slots; a step that drafts k <= K of them fills the first k and sets draft_counts to k.
+    draft_tokens: torch.Tensor  # [slots, K] int64
+    draft_probs: torch.Tensor  # [slots, K, vocab] float32
+    # How many of a slot's drafts are valid: verification rejects every draft at or past this count.
+    draft_counts: torch.Tensor  # [slots] int64
+    # Depth-d MTP hidden state at row L-d-1, for d = 1..K-1: the row before depth d+1's window.
+    carry_hidden: torch.Tensor  # [slots, max(K-1, 0), hidden]
     generated: torch.Tensor  # [slots] int64, tokens emitted so far
     max_new_tokens: torch.Tensor  # [slots] int64
     done: torch.Tensor  # [slots] bool
@@ -35,8 +38,8 @@ class DecodeState:
     top_p: torch.Tensor  # [slots] float32
     seeds: torch.Tensor  # [slots] int64
     ignore_eos: torch.Tensor  # [slots] bool
-    # What the last call emitted, read by the host with one copy: tokens [slots, k+1], then counts.
-    step_tokens: torch.Tensor  # [slots, k+1] int64
+    # What the last call emitted, read by the host with one copy: tokens [slots, K+1], then counts.
+    step_tokens: torch.Tensor  # [slots, K+1] int64
     step_emitted: torch.Tensor  # [slots] int64
     step_accepted: torch.Tensor  # [slots] int64
     # KV caches [slots, capacity, kv_heads, head_dim]: one per main layer, one per draft depth.
@@ -105,7 +108,7 @@ class DecodeState:
         cold_dtype: torch.dtype | None = None,
         pinned_cold_pool: bool = False,
     ) -> "DecodeState":
-        """hot_rows and index_dims (one per main layer, then per draft depth) turn on the HiSparse tiers; the
+        """num_speculative_tokens: K, the draft slots (a step may draft fewer). hot_rows and index_dims (one per main layer, then per draft depth) turn on the HiSparse tiers; the
         KV caches are then their cold pool, in cold_dtype (default: dtype), and with pinned_cold_pool (CUDA) in
         pinned host memory."""
         k = num_speculative_tokens
@@ -127,6 +130,7 @@ class DecodeState:
             seq_lens=torch.ones(num_slots, dtype=torch.int64, device=device),
             draft_tokens=zeros(num_slots, k),
             draft_probs=zeros(num_slots, k, config.vocab_size, dtype=torch.float32),
+            draft_counts=zeros(num_slots),
             carry_hidden=zeros(num_slots, max(k - 1, 0), config.hidden_size, dtype=dtype),
             generated=zeros(num_slots),
             max_new_tokens=zeros(num_slots),

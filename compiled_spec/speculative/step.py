@@ -3,6 +3,8 @@
 Positions: committed tokens are t_0..t_{L-1} (L = seq_lens); the main KV cache holds 0..L-2 and
 t_{L-1} is the pending token. A step verifies [t_{L-1}, d_1..d_k] at positions L-1..L-1+k, accepts
 n drafts and one more token, so L' = L + n + 1, then drafts t_{L'}..t_{L'+k-1} for the next step.
+The state has K >= k draft slots and each step is compiled for its own k: k can change between steps
+(runtime/draft_chooser.py) because a row's drafts past its draft_counts are rejected, never verified.
 
 Draft depth m row i pairs h^{m-1}_i with t_{i+m} (h^0 is the main model's hidden state). Each depth
 has its own KV cache. After verification, depth m re-runs rows L-m .. L-1+k (the "draft-extend"
@@ -65,18 +67,27 @@ def make_layout(
     )
 
 
-def state_writes(state: DecodeState) -> tuple[str, ...]:
-    """The DecodeState fields both the step and prefill update (checked by passes/state_mutation)."""
-    k = state.draft_tokens.shape[1]
+def draft_slots(state: DecodeState) -> int:
+    """K: the most drafts a step over this state can make."""
+    return state.draft_tokens.shape[1]
+
+
+def state_writes(state: DecodeState, num_drafts: int | None = None) -> tuple[str, ...]:
+    """The DecodeState fields the step drafting num_drafts (default: every slot; prefill always does) updates
+    (checked by passes/state_mutation)."""
+    slots = draft_slots(state)
+    k = slots if num_drafts is None else num_drafts
     names = ["pending_tokens", "seq_lens", "generated", "done", "step_tokens", "step_emitted", "step_accepted"]
     names += [f"main_keys[{i}]" for i in range(len(state.main_keys))]
     names += [f"main_values[{i}]" for i in range(len(state.main_values))]
+    if slots > 0:
+        names.append("draft_counts")
     if k > 0:
         names += ["draft_tokens", "draft_probs"]
         names += [f"draft_keys[{i}]" for i in range(k)] + [f"draft_values[{i}]" for i in range(k)]
     if k > 1:
         names.append("carry_hidden")
-    return tuple(names + tier_field_names(state))
+    return tuple(names + tier_field_names(state, k))
 
 
 def _row_params(state: DecodeState, rows: torch.Tensor):
@@ -96,6 +107,7 @@ def _draft_chain(
     producing_index: torch.Tensor,
     writable_rows: torch.Tensor,
     next_position: torch.Tensor,
+    k: int,
     sparse: bool = False,
 ):
     """Runs draft depths 1..k over their windows and samples one draft per depth.
@@ -109,7 +121,6 @@ def _draft_chain(
     next_position [B]: position of the first draft token.
     Returns draft tokens [B, k], draft probs [B, k, V], new carry [B, k-1, H] (depth d output at producing_index).
     """
-    k = state.draft_tokens.shape[1]
     batch, width, _ = main_hidden.shape
     rows = slot_ids
     temperature, top_k, top_p = _row_params(state, rows)
@@ -172,9 +183,24 @@ def _write_rows(buffer: torch.Tensor, rows: torch.Tensor, value: torch.Tensor) -
     buffer.index_copy_(0, rows, value.to(buffer.dtype))
 
 
-def speculative_step(model: CausalLM, state: DecodeState, constants: StepConstants, batch_size: int) -> None:
-    """One step for slots 0..batch_size-1; slots marked done are left unchanged."""
-    k = state.draft_tokens.shape[1]
+def _write_leading(buffer: torch.Tensor, rows: torch.Tensor, value: torch.Tensor) -> None:
+    """Writes value [B, n, ...] into the first n columns of buffer's rows; the other columns keep their values."""
+    if value.shape[1] == buffer.shape[1]:
+        _write_rows(buffer, rows, value)
+        return
+    columns = torch.arange(value.shape[1], device=rows.device)
+    buffer.index_put_((rows[:, None], columns[None, :]), value.to(buffer.dtype))
+
+
+def speculative_step(
+    model: CausalLM, state: DecodeState, constants: StepConstants, batch_size: int, num_drafts: int | None = None
+) -> None:
+    """One step for slots 0..batch_size-1 that verifies and then drafts num_drafts tokens (default: every draft
+    slot); slots marked done are left unchanged."""
+    slots = draft_slots(state)
+    k = slots if num_drafts is None else num_drafts
+    if not 0 <= k <= slots:
+        raise ValueError(f"num_drafts={k} is out of range; this state has 0..{slots} draft slots")
     rows = torch.arange(batch_size, device=state.seq_lens.device)
     seq_lens = state.seq_lens[:batch_size]
     active = ~state.done[:batch_size]
@@ -184,7 +210,7 @@ def speculative_step(model: CausalLM, state: DecodeState, constants: StepConstan
     temperature, top_k, top_p = _row_params(state, rows)
     seeds = state.seeds[rows]
 
-    drafts = state.draft_tokens[:batch_size]
+    drafts = state.draft_tokens[:batch_size, :k]
     verify_tokens = torch.cat([state.pending_tokens[:batch_size, None], drafts], dim=1)
     offsets = torch.arange(k + 1, device=rows.device)
     positions = first_row[:, None] + offsets
@@ -196,7 +222,9 @@ def speculative_step(model: CausalLM, state: DecodeState, constants: StepConstan
             mirror_new_rows(layer_tiers, state.main_keys[layer], state.main_values[layer], rows,
                             layout.write_index, state.trash_position)
     target_probs = sampling_probs(model.logits(hidden), temperature, top_k, top_p)
-    accepted, next_token = verify_drafts(target_probs, state.draft_probs[:batch_size], drafts, seeds, seq_lens)
+    valid = state.draft_counts[:batch_size].clamp(max=k) if slots > 0 else None
+    accepted, next_token = verify_drafts(target_probs, state.draft_probs[:batch_size, :k], drafts, seeds, seq_lens,
+                                         valid)
 
     # Emitted this step: d_1..d_n, then the residual/bonus token at index n.
     padded_drafts = torch.cat([drafts, torch.zeros_like(seq_lens)[:, None]], dim=1)
@@ -220,20 +248,26 @@ def speculative_step(model: CausalLM, state: DecodeState, constants: StepConstan
             producing_index=accepted,
             writable_rows=writable,
             next_position=new_seq_lens,
+            k=k,
             sparse=True,
         )
         keep = active[:, None]
-        _write_rows(state.draft_tokens, rows, torch.where(keep, new_drafts, drafts))
-        _write_rows(state.draft_probs, rows, torch.where(keep[:, :, None], new_probs, state.draft_probs[:batch_size]))
+        _write_leading(state.draft_tokens, rows, torch.where(keep, new_drafts, drafts))
+        old_probs = state.draft_probs[:batch_size, :k]
+        _write_leading(state.draft_probs, rows, torch.where(keep[:, :, None], new_probs, old_probs))
         if new_carry is not None:
-            old_carry = state.carry_hidden[:batch_size]
-            _write_rows(state.carry_hidden, rows, torch.where(keep[:, :, None], new_carry, old_carry))
+            old_carry = state.carry_hidden[:batch_size, : k - 1]
+            _write_leading(state.carry_hidden, rows, torch.where(keep[:, :, None], new_carry, old_carry))
+    if slots > 0:
+        counts = state.draft_counts[:batch_size]
+        _write_rows(state.draft_counts, rows, torch.where(active, torch.full_like(counts, k), counts))
 
     _write_rows(state.pending_tokens, rows, torch.where(active, next_token, state.pending_tokens[:batch_size]))
     _write_rows(state.seq_lens, rows, new_seq_lens)
     _write_rows(state.generated, rows, state.generated[:batch_size] + count)
     _write_rows(state.done, rows, state.done[:batch_size] | (active & finished))
-    _write_rows(state.step_tokens, rows, emitted_tokens)
+    unused_slots = torch.zeros_like(state.draft_tokens[:batch_size, k:])
+    _write_rows(state.step_tokens, rows, torch.cat([emitted_tokens, unused_slots], dim=1))
     _write_rows(state.step_emitted, rows, count)
     _write_rows(state.step_accepted, rows, torch.where(active, accepted, 0))
 
@@ -247,8 +281,8 @@ def prefill(
     prompt_len: torch.Tensor,
 ) -> None:
     """Fills slot [1] from prompt_ids [1, T] (the first prompt_len [1] tokens are real) and samples the
-    first token and the first drafts. Sampling parameters and limits of the slot are set beforehand."""
-    k = state.draft_tokens.shape[1]
+    first token and a draft for every draft slot. Sampling parameters and limits of the slot are set beforehand."""
+    k = draft_slots(state)
     width = prompt_ids.shape[1]
     positions = torch.arange(width, device=prompt_ids.device)[None, :]
     real = positions < prompt_len[:, None]
@@ -280,9 +314,11 @@ def prefill(
             producing_index=prompt_len - 1,
             writable_rows=real,
             next_position=new_seq_len,
+            k=k,
         )
         _write_rows(state.draft_tokens, slot, drafts)
         _write_rows(state.draft_probs, slot, draft_probs)
+        _write_rows(state.draft_counts, slot, torch.full_like(prompt_len, k))
         if carry is not None:
             _write_rows(state.carry_hidden, slot, carry)
 

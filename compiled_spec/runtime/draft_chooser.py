@@ -1,0 +1,63 @@
+"""k = auto: before each step, the number of drafts that maximizes expected tokens per second.
+
+Expected tokens of a step that drafts k: 1 + sum over j <= k of a_1 * ... * a_j, where a_i is the running
+chance that draft i is accepted once drafts 1..i-1 were (decayed per observation, seeded by a calibration
+request at warm-up). Seconds per step: the median of a few runs per (batch bucket, k) of the compiled
+graphs at warm-up. Live step times do not update them: one slow step would make its k look costly, and a k
+that is not chosen is never measured again to correct it. k=0 is always a candidate, so by these estimates
+no step is chosen to be slower per token than plain decoding.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+
+class DraftLengthChooser:
+    def __init__(self, max_drafts: int, acceptance_decay: float = 0.98):
+        self.max_drafts = max_drafts
+        self.acceptance = [1.0] * max_drafts  # optimistic until observed: calibration replaces it
+        self.seconds: dict[tuple[int, int], float] = {}  # (bucket, k) -> seconds per step
+        self.acceptance_decay = acceptance_decay
+        self.chosen: Counter = Counter()  # k -> steps it was chosen for
+
+    def expected_tokens(self, k: int) -> float:
+        total, reach = 1.0, 1.0
+        for rate in self.acceptance[:k]:
+            reach *= rate
+            total += reach
+        return total
+
+    def choose(self, bucket: int) -> int:
+        """The k with the most expected tokens per second in this bucket (the smaller k on a tie). A k whose step
+        was never timed in this bucket (no warm-up) is chosen first, so the live step times it."""
+        untimed = [k for k in range(self.max_drafts + 1) if (bucket, k) not in self.seconds]
+        if untimed:
+            best = untimed[0]
+        else:
+            rates = {k: self.expected_tokens(k) / self.seconds[(bucket, k)] for k in range(self.max_drafts + 1)}
+            best = max(rates, key=lambda k: (rates[k], -k))
+        self.chosen[best] += 1
+        return best
+
+    def observe_step(self, bucket: int, k: int, seconds: float, lanes: list[tuple[int, int]]) -> None:
+        """lanes: per lane, (drafts it verified, drafts accepted). A lane verifies fewer than k drafts when the
+        step before it drafted fewer; positions it did not verify tell nothing. `seconds` is kept only for a
+        (bucket, k) that warm-up did not time."""
+        self.seconds.setdefault((bucket, k), seconds)
+        for verified, accepted in lanes:
+            self.observe_acceptance(verified, accepted)
+
+    def observe_acceptance(self, verified: int, accepted: int) -> None:
+        """Drafts 1..accepted were accepted and, if accepted < verified, draft accepted+1 was rejected."""
+        decay = self.acceptance_decay
+        for position in range(min(accepted + 1, verified)):
+            hit = 1.0 if position < accepted else 0.0
+            self.acceptance[position] = decay * self.acceptance[position] + (1 - decay) * hit
+
+    def seed_acceptance(self, accepted_per_position: list[int], verified_per_position: list[int]) -> None:
+        """Replaces the running rates by those a calibration run measured (conditional on the previous position)."""
+        for position in range(self.max_drafts):
+            reached = accepted_per_position[position - 1] if position else verified_per_position[0]
+            if verified_per_position[position] and reached:
+                self.acceptance[position] = accepted_per_position[position] / min(reached, verified_per_position[position])

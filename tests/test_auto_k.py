@@ -1,0 +1,173 @@
+"""k = auto: k changes between steps without changing the output or compiling anything, and a draft past a
+slot's valid count is never accepted.
+
+The chooser is replaced by a fixed schedule, so k switches in the middle of every request, down (a slot then
+holds drafts from an older step past its count) and up (a lane verifies fewer drafts than the step's k).
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+import torch
+
+from compiled_spec import LLM, SamplingParams
+from compiled_spec.config import GraphMode
+from compiled_spec.runtime.draft_chooser import DraftLengthChooser
+from compiled_spec.runtime.graph_modes import StepRunner, graphs_made
+from faults import step_without_draft_counts
+from test_audit import audit_failure
+from test_sampling_lossless import GOOD_P, PROMPT, exact_joint, goodness_of_fit
+
+K = 2
+SCHEDULE = [1, 2, 0, 2, 2, 1, 0, 0, 2, 1]
+ENGINE = dict(num_speculative_tokens="auto", max_speculative_tokens=K, max_batch_size=4, max_seq_len=64,
+              batch_buckets=(4,), prefill_buckets=(64,))
+PROMPT_LENGTHS = [3, 17, 5, 9, 30, 1, 12, 7]
+
+
+class ScheduledChooser(DraftLengthChooser):
+    """Chooses k from a fixed cycle instead of from estimates."""
+
+    def __init__(self, schedule: list[int]):
+        super().__init__(max(schedule))
+        self.schedule = itertools.cycle(schedule)
+
+    def choose(self, bucket: int) -> int:
+        k = next(self.schedule)
+        self.chosen[k] += 1
+        return k
+
+
+def scheduled(llm: LLM) -> LLM:
+    llm.engine.chooser = ScheduledChooser(SCHEDULE)
+    return llm
+
+
+def record_steps(llm: LLM) -> list:
+    """Every StepRecord the engine returns from now on."""
+    records, step = [], llm.engine.step
+    llm.engine.step = lambda on_tokens=None: records.append(step(on_tokens)) or records[-1]
+    return records
+
+
+@pytest.fixture(scope="session")
+def prompts(tiny_checkpoint):
+    checkpoint = tiny_checkpoint("predictive")
+    generator = torch.Generator().manual_seed(1)
+    vocab = checkpoint.model.config.vocab_size
+    return checkpoint.path, [torch.randint(2, vocab, (n,), generator=generator).tolist() for n in PROMPT_LENGTHS]
+
+
+GREEDY = SamplingParams(max_tokens=20, ignore_eos=True)
+
+
+@pytest.fixture(scope="session")
+def plain_tokens(prompts):
+    path, texts = prompts
+    llm = LLM(path, num_speculative_tokens=0, graph_mode="eager", **{k: v for k, v in ENGINE.items()
+                                                                       if "speculative" not in k})
+    return [o.token_ids for o in llm.generate(texts, GREEDY)]
+
+
+@pytest.fixture(scope="session")
+def eager_switching(prompts):
+    path, texts = prompts
+    llm = scheduled(LLM(path, graph_mode="eager", **ENGINE))
+    records = record_steps(llm)
+    outputs = llm.generate(texts, GREEDY)
+    return outputs, records
+
+
+def lane_counts(records) -> list[tuple[int, int, int]]:
+    """(k of the step, drafts the lane verified, drafts it accepted) of every lane of every step."""
+    return [(r.num_drafts, verified, accepted) for r in records for verified, (_, accepted) in zip(r.verified, r.lanes)]
+
+
+def test_switching_k_mid_request_keeps_greedy_output(plain_tokens, eager_switching):
+    outputs, records = eager_switching
+    assert [o.token_ids for o in outputs] == plain_tokens
+    lanes = lane_counts(records)
+    assert {k for k, _, _ in lanes} == {0, 1, 2}
+    assert any(verified < k for k, verified, _ in lanes), "no lane verified fewer drafts than its step drafted"
+    assert all(accepted <= verified for _, verified, accepted in lanes)
+    assert any(accepted == verified == 2 for _, verified, accepted in lanes)  # full acceptance happens too
+    merged = [o.stats for o in outputs]
+    assert sum(s.steps_per_num_drafts.get(0, 0) for s in merged) > 0
+    for stats in merged:
+        assert all(a <= v for a, v in zip(stats.accepted_per_position, stats.verified_per_position))
+
+
+def test_compiled_auto_switches_without_recompiling(prompts, plain_tokens, eager_switching):
+    """Every (bucket, k) graph is made at warm-up; the same schedule then runs under fail_on_recompile and
+    accepts exactly what eager accepts."""
+    path, texts = prompts
+    llm = scheduled(LLM(path, graph_mode="compile", show_progress=False, **ENGINE))
+    after_warm_up = graphs_made(llm.engine.runner)
+    records = record_steps(llm)
+    with torch.compiler.set_stance("fail_on_recompile"):
+        outputs = llm.generate(texts, GREEDY)
+    assert graphs_made(llm.engine.runner) == after_warm_up
+    assert [o.token_ids for o in outputs] == plain_tokens
+    assert lane_counts(records) == lane_counts(eager_switching[1])
+
+
+def test_auto_with_drafts_that_are_never_accepted_chooses_k0(tiny_checkpoint):
+    """Random MTP modules: the calibration finds no draft accepted, so every request step costs what k=0 costs."""
+    llm = LLM(tiny_checkpoint("llama").path, num_speculative_tokens="auto", max_seq_len=64, max_batch_size=2,
+              graph_mode="eager")
+    assert llm.engine.chooser.acceptance[0] < 0.1
+    outputs = llm.generate([[5, 6, 7], [9]], SamplingParams(max_tokens=24, ignore_eos=True))
+    for output in outputs:
+        assert output.stats.steps_per_num_drafts == {0: output.stats.steps}
+
+
+def test_the_chooser_maximizes_expected_tokens_per_second():
+    chooser = DraftLengthChooser(3)
+    chooser.seconds = {(1, k): 1.0 + 0.2 * k for k in range(4)}
+    chooser.acceptance = [0.9, 0.8, 0.7]  # expected tokens 1, 1.9, 2.62, 3.12 -> per second 1, 1.58, 1.87, 1.95
+    assert chooser.choose(1) == 3
+    chooser.acceptance = [0.5, 0.3, 0.1]  # 1, 1.5, 1.65, 1.665 -> 1, 1.25, 1.18, 1.04
+    assert chooser.choose(1) == 1
+    chooser.acceptance = [0.1, 0.1, 0.1]
+    assert chooser.choose(1) == 0
+    chooser.observe_acceptance(verified=2, accepted=2)  # both hits; position 3 was not verified
+    assert chooser.acceptance[2] == 0.1 and chooser.acceptance[0] > 0.1
+    assert chooser.chosen == {3: 1, 1: 1, 0: 1}
+
+
+def test_sampled_tokens_keep_the_target_distribution_while_k_switches(tiny_checkpoint):
+    """Seeded sampling, the schedule above: the joint of the first three tokens is the target's (chi-square)."""
+    checkpoint = tiny_checkpoint("tiny_vocab")
+    llm = scheduled(LLM(checkpoint.path, num_speculative_tokens="auto", max_speculative_tokens=K, max_seq_len=8,
+                        max_batch_size=256, graph_mode="eager"))
+    records = record_steps(llm)
+    requests = 1000
+    params = [SamplingParams(max_tokens=3, ignore_eos=True, seed=50_000 + i, temperature=1.0) for i in range(requests)]
+    tokens = np.array([o.token_ids for o in llm.generate([PROMPT] * requests, params)])
+    assert any(verified < k for k, verified, _ in lane_counts(records))
+    assert goodness_of_fit(tokens, exact_joint(checkpoint.model, dict(temperature=1.0))) > GOOD_P
+
+
+def test_a_stale_draft_count_is_caught(prompts, plain_tokens, eager_switching):
+    """The fault: a step that leaves draft_counts unwritten, so a slot's drafts from an older step still count
+    as valid. Compiled, the state-mutation pass rejects the graph; eager, stale drafts get verified and
+    accepted (a lane accepts more drafts than it validly held) while the greedy output stays right."""
+    path, texts = prompts
+    llm = scheduled(LLM(path, graph_mode="eager", **ENGINE))
+    engine = llm.engine
+    engine.runner = StepRunner(llm.model, engine.state, engine.constants, GraphMode.EAGER,
+                               step_function=step_without_draft_counts, draft_lengths=tuple(range(K)))
+    records = record_steps(llm)
+    outputs = llm.generate(texts, GREEDY)
+    assert [o.token_ids for o in outputs] == plain_tokens
+    assert any(accepted > verified for _, verified, accepted in lane_counts(records))
+    assert lane_counts(records) != lane_counts(eager_switching[1])
+
+    compiled = StepRunner(llm.model, engine.state, engine.constants, GraphMode.COMPILE,
+                          step_function=step_without_draft_counts, draft_lengths=tuple(range(K)))
+    with pytest.raises(Exception) as raised:
+        compiled.step(4, 1)
+    assert "decode state updated outside the graph: draft_counts" in audit_failure(raised.value)
