@@ -433,6 +433,15 @@ def int_list(ctx, param, text: str) -> list[int]:
     return values
 
 
+def draft_count_list(ctx, param, text: str) -> list:
+    """-k of bench: numbers of drafts and auto, e.g. 0,1,2,3,auto."""
+    parts = [part for part in text.replace(" ", "").split(",") if part]
+    values = [part if part == "auto" else int(part) if part.lstrip("-").isdigit() else None for part in parts]
+    if not values or None in values:
+        raise click.BadParameter(f"{text!r} is not a comma-separated list of numbers and auto, e.g. 0,1,3,auto")
+    return values
+
+
 def name_list(allowed: tuple[str, ...], none_ok: bool = False):
     def parse(ctx, param, text: str) -> list[str]:
         names = [part for part in text.replace(" ", "").split(",") if part]
@@ -458,8 +467,9 @@ DEFAULT_ANCHORS = ("hf-eager", "hf-static", "hf-mtp")
                    "the embedded Shakespeare model.")
 @click.option("--graph-modes", "graph_modes", default="eager,full", show_default=True,
               callback=name_list(GRAPH_MODES), help="Comma-separated graph modes.")
-@click.option("-k", "--num-speculative-tokens", "ks", default="3", show_default=True, callback=int_list,
-              help="Comma-separated values of k; 0 is plain decoding.")
+@click.option("-k", "--num-speculative-tokens", "ks", default="3", show_default=True, callback=draft_count_list,
+              help="Comma-separated values of k; 0 is plain decoding, auto chooses k per step (0..3) and is "
+                   "compared with the best fixed k of the same mode and batch size.")
 @click.option("--batch-sizes", "batch_sizes", default="1", show_default=True, callback=int_list,
               help="Comma-separated max batch sizes (prompts decoded together).")
 @click.option("--anchors", default=",".join(DEFAULT_ANCHORS), show_default=True,
@@ -507,13 +517,14 @@ def bench(model, graph_modes, ks, batch_sizes, anchors, out, max_tokens, prompts
     Examples:
       compiled-spec bench                                    # eager and full, k=3, batch 1, the anchors
       compiled-spec bench --graph-modes eager,compile,piecewise,full -k 0,1,2,3 --batch-sizes 1,4,8
+      compiled-spec bench --graph-modes full -k 0,1,2,3,auto --batch-sizes 1,8 --anchors none
       compiled-spec bench --model ./tiny --graph-modes eager -k 2 --batch-sizes 1,2 --anchors none
       compiled-spec bench --hisparse --top-k-tokens 32 --hot-rows 64 --graph-modes eager,full
     """
     from benchmarks.sweep import SweepOptions, run_sweep
     from benchmarks.workload import read_prompts
 
-    if any(k < 0 or k > MAX_SPECULATIVE_TOKENS for k in ks):
+    if any(k != "auto" and not 0 <= k <= MAX_SPECULATIVE_TOKENS for k in ks):
         raise click.BadParameter(f"allowed 0..{MAX_SPECULATIVE_TOKENS}", param_hint="'--num-speculative-tokens'")
     if any(size < 1 for size in batch_sizes):
         raise click.BadParameter("batch sizes must be positive", param_hint="'--batch-sizes'")
@@ -531,7 +542,7 @@ def bench(model, graph_modes, ks, batch_sizes, anchors, out, max_tokens, prompts
     try:
         sparse = hisparse_config(hisparse, top_k_tokens, hot_rows, cold_dtype, cold_pool)
         if sparse is not None:
-            sparse.validate(max(ks))  # before any cell runs
+            sparse.validate(max(3 if k == "auto" else k for k in ks))  # before any cell runs
     except CompiledSpecError as error:
         raise InputError(str(error)) from None
     try:

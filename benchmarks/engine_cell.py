@@ -80,6 +80,11 @@ def measure_engine(spec: dict) -> dict:
         "accepted_per_position": stats.accepted_per_position,
         "acceptance_rate_per_position": stats.acceptance_rate_per_position,
         "mean_accepted_length": stats.mean_accepted_length if k else 1.0,
+        # k = auto: steps per k chosen, and the estimates it chose from (seconds per step by k, acceptance).
+        "steps_per_num_drafts": {str(key): count for key, count in sorted(stats.steps_per_num_drafts.items())},
+        "auto_step_seconds": {str(key): seconds for (_, key), seconds in sorted(engine.chooser.seconds.items())}
+        if engine.chooser else None,
+        "auto_acceptance_estimate": list(engine.chooser.acceptance) if engine.chooser else None,
         "warmup_s": engine.warmup_seconds,
         "setup_s": setup_s,
         "graphs_compiled_while_timed": graphs_made(engine.runner) - graphs_before,

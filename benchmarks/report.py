@@ -19,6 +19,28 @@ def number(value, digits: int = 1) -> str:
     return "–" if value is None else f"{value:.{digits}f}"
 
 
+def k_order(k) -> tuple:
+    """Fixed k in order, then auto."""
+    return (k == "auto", 0 if k == "auto" else k)
+
+
+def auto_rows(results: dict) -> list[str]:
+    """One row per k = auto cell: what it chose, and its tokens/s against the best fixed k beside it."""
+    cells = [r for r in engine_records(results) if r["num_speculative_tokens"] == "auto" and r["status"] == "ok"]
+    if not cells:
+        return []
+    lines = ["", "k = auto chooses k before each step from the step times it measured at warm-up and the running "
+                 "acceptance; its tokens/s over the best fixed k of the same mode and batch size:", "",
+             "| mode | batch | k chosen (steps) | auto tokens/s | best fixed k | its tokens/s | auto / best |",
+             "|---|---|---|---|---|---|---|"]
+    for r in cells:
+        chosen = ", ".join(f"k={k}: {n}" for k, n in r.get("steps_per_num_drafts", {}).items())
+        lines.append(f"| {r['graph_mode']} | {r['batch_size']} | {chosen} | {number(r['tokens_per_s'])} | "
+                     f"{r.get('best_fixed_k', '–')} | {number(r.get('best_fixed_k_tokens_per_s'))} | "
+                     f"{number(r.get('auto_over_best_fixed_k'), 3)} |")
+    return lines
+
+
 def acceptance_text(record: dict) -> str:
     if not record["num_speculative_tokens"]:
         return "–"
@@ -94,7 +116,8 @@ def markdown(results: dict, plot_names: list[str] = ()) -> str:
         "",
         "tokens/s: generated tokens / wall time of generate() for all prompts, prefill included, after warm-up. "
         "Step latency: one decode step (all lanes) including the copy of its results to the host. "
-        "Acceptance: fraction of steps whose draft at that position was accepted. "
+        "Acceptance: per draft position, accepted drafts over verified ones (at a fixed k every step verifies "
+        "every position). "
         "Warm-up: compiling every bucket (0 in eager). Peak RSS: the cell's own process. "
         "'= eager': accepted counts per position equal the eager cell's (same k, batch), or by how many "
         "they differ; "
@@ -108,6 +131,7 @@ def markdown(results: dict, plot_names: list[str] = ()) -> str:
         "|" + "---|" * (12 + len(anchors)),
     ]
     lines += [engine_row(record, anchors) for record in engine_records(results)]
+    lines += auto_rows(results)
     if anchors:
         lines += ["", "| anchor | batch | tokens/s | warm-up s | peak RSS MiB | notes |", "|---|---|---|---|---|---|"]
         lines += [anchor_row(record) for record in anchor_records(results)]
@@ -132,7 +156,7 @@ def plot_tokens_per_s(results: dict, path: Path) -> list[Path]:
     plt = _pyplot()
     batches = sorted({r["batch_size"] for r in ok})
     modes = list(dict.fromkeys(r["graph_mode"] for r in ok))
-    ks = sorted({r["num_speculative_tokens"] for r in ok})
+    ks = sorted({r["num_speculative_tokens"] for r in ok}, key=k_order)
     figure, axes = plt.subplots(1, len(batches), figsize=(4.5 * len(batches), 4), squeeze=False)
     width = 0.8 / len(modes)
     for axis, batch in zip(axes[0], batches):
@@ -161,7 +185,8 @@ def plot_acceptance(results: dict, path: Path) -> list[Path]:
     """Acceptance by draft position, one line per graph mode (pooled over batch sizes), one panel per k.
 
     Lines lying on top of each other are the point: capturing the step does not change what is accepted."""
-    ok = [r for r in engine_records(results) if r["status"] == "ok" and r["num_speculative_tokens"] > 0]
+    ok = [r for r in engine_records(results) if r["status"] == "ok" and r["num_speculative_tokens"] != "auto"
+          and r["num_speculative_tokens"] > 0]
     if not ok:
         return []
     plt = _pyplot()

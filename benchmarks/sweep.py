@@ -33,7 +33,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 class SweepOptions:
     model: Path
     graph_modes: list[str]
-    num_speculative_tokens: list[int]
+    num_speculative_tokens: list  # numbers of drafts, and "auto"
     batch_sizes: list[int]
     anchors: list[str]
     out: Path
@@ -61,7 +61,7 @@ def plan(options: SweepOptions, prompt_ids: list[list[int]], max_seq_len: int) -
     for mode in options.graph_modes:
         for k in options.num_speculative_tokens:
             for batch in options.batch_sizes:
-                for size in options.draft_vocab_sizes if k > 0 else [None]:
+                for size in options.draft_vocab_sizes if k == "auto" or k > 0 else [None]:
                     name = f"{mode} k={k} b={batch}" + (f" v={size}" if size else "")
                     cells.append(dict(kind="engine", name=name, graph_mode=mode, num_speculative_tokens=k,
                                       batch_size=batch, max_seq_len=max_seq_len, buckets=options.buckets,
@@ -123,6 +123,9 @@ def compare(records: list[dict], bandwidth_gb_s: float | None = None) -> None:
             record["plain_decoding_limit_tokens_per_s"] = limit
             record["speedup_vs"]["plain-limit"] = record["tokens_per_s"] / limit
         base = eager.get((record["num_speculative_tokens"], record["batch_size"], record.get("draft_vocab_size")))
+        if record["num_speculative_tokens"] == "auto":
+            base = None  # auto chooses by measured step times, which differ between modes
+            compare_with_fixed_k(record, ok)
         if base is not None and base is not record:
             record["acceptance_equals_eager"] = base["accepted_per_position"] == record["accepted_per_position"]
             record["accepted_differs_from_eager_by"] = sum(
@@ -132,6 +135,20 @@ def compare(records: list[dict], bandwidth_gb_s: float | None = None) -> None:
             record["outputs_equal_to_hf_eager"] = sum(
                 a == b for a, b in zip(record["output_digests"], reference["output_digests"])
             )
+
+
+def compare_with_fixed_k(auto: dict, records: list[dict]) -> None:
+    """auto's tokens/s over the best fixed k's in the same mode and batch size (and draft vocabulary; k=0 has
+    none, it is the same plain decoding for every size)."""
+    fixed = [r for r in records if r["kind"] == "engine" and isinstance(r["num_speculative_tokens"], int)
+             and r["graph_mode"] == auto["graph_mode"] and r["batch_size"] == auto["batch_size"]
+             and (r["num_speculative_tokens"] == 0 or r.get("draft_vocab_size") == auto.get("draft_vocab_size"))]
+    if not fixed:
+        return
+    best = max(fixed, key=lambda r: r["tokens_per_s"])
+    auto["best_fixed_k"] = best["num_speculative_tokens"]
+    auto["best_fixed_k_tokens_per_s"] = best["tokens_per_s"]
+    auto["auto_over_best_fixed_k"] = auto["tokens_per_s"] / best["tokens_per_s"]
 
 
 def run_sweep(options: SweepOptions) -> dict:

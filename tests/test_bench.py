@@ -64,6 +64,25 @@ def test_eager_cells_with_the_same_k_accept_the_same(sweep):
     assert sum(one["accepted_per_position"]) > 0
 
 
+def test_bench_compares_auto_with_the_best_fixed_k(tiny_checkpoint, tmp_path):
+    args = ["bench", "--model", str(tiny_checkpoint("predictive").path), "--graph-modes", "eager", "-k", "0,2,auto",
+            "--anchors", "none", "--max-tokens", "12", "--threads", "1", "--out", str(tmp_path)]
+    result = CliRunner().invoke(cli.main, args, prog_name="compiled-spec")
+    assert result.exit_code == 0, result.output
+    plain, fixed, auto = records(tmp_path, kind="engine")
+    assert auto["num_speculative_tokens"] == "auto" and auto["status"] == "ok"
+    assert auto["output_digests"] == plain["output_digests"] == fixed["output_digests"]
+    assert sum(auto["steps_per_num_drafts"].values()) == auto["steps"]
+    assert set(auto["steps_per_num_drafts"]) <= {"0", "1", "2", "3"}
+    assert set(auto["auto_step_seconds"]) == {"0", "1", "2", "3"}
+    best = max((plain, fixed), key=lambda r: r["tokens_per_s"])
+    assert auto["best_fixed_k"] == best["num_speculative_tokens"]
+    assert auto["auto_over_best_fixed_k"] == pytest.approx(auto["tokens_per_s"] / best["tokens_per_s"])
+    table = (tmp_path / "results.md").read_text()
+    assert "| eager | auto | 1 |" in table and "k = auto chooses k before each step" in table
+    assert (tmp_path / "tokens_per_s.png").read_bytes().startswith(b"\x89PNG")
+
+
 def test_bench_hisparse_reaches_every_engine_cell(tiny_checkpoint, tmp_path):
     args = ["bench", "--model", str(tiny_checkpoint("predictive").path), "--graph-modes", "eager", "-k", "1",
             "--anchors", "none", "--max-tokens", "6", "--threads", "1", "--out", str(tmp_path),

@@ -96,6 +96,8 @@ class Engine:
         """Compiles every batch bucket (for every k with auto) and prefill bucket once, before any request is
         admitted. With auto it then times every (bucket, k) graph and seeds the acceptance estimates by decoding
         self.calibration_prompt."""
+        if self.config.graph_mode == GraphMode.EAGER and not self.chooser:
+            return
         if self.slots:
             raise RuntimeError("warm_up() must run before requests are admitted")
         start = time.perf_counter()
@@ -116,7 +118,8 @@ class Engine:
             drafts = "" if k is None else f" k={k}"
             bar.set_postfix_str(f"{kind} {'batch' if kind == 'step' else 'prompt'}={size}{drafts}")
             if kind == "step":
-                self.runner.step(size, k)  # every slot is free and marked done: nothing live is touched
+                # every slot is free and marked done: nothing live is touched
+                self.runner.step(size) if k is None else self.runner.step(size, k)
             else:
                 slot = torch.zeros(1, dtype=torch.int64, device=device)
                 prompt = torch.zeros(1, size, dtype=torch.int64, device=device)
@@ -197,7 +200,10 @@ class Engine:
         batch = pick_bucket(self.batch_buckets, len(self.slots))
         k = self.chooser.choose(batch) if self.chooser else self.k
         verified = [min(k, request.valid_drafts) for request in self.slots]
-        self.runner.step(batch, k if self.chooser else None)
+        if self.chooser:
+            self.runner.step(batch, k)
+        else:
+            self.runner.step(batch)
         finished, lanes = self._collect(len(self.slots), on_tokens, first_slot=0, record_stats=True,
                                         num_drafts=k, verified=verified)
         seconds = time.perf_counter() - start
