@@ -2,7 +2,7 @@
 
 Expected tokens of a step that drafts k: 1 + sum over j <= k of a_1 * ... * a_j, where a_i is the running
 chance that draft i is accepted once drafts 1..i-1 were (decayed per observation, seeded by a calibration
-request at warm-up). Seconds per step: the median of a few runs per (batch bucket, k) of the compiled
+request at warm-up). Seconds per step: per (batch bucket, k), the fastest of several rounds over the compiled
 graphs at warm-up. Live step times do not update them: one slow step would make its k look costly, and a k
 that is not chosen is never measured again to correct it. k=0 is always a candidate, so by these estimates
 no step is chosen to be slower per token than plain decoding.

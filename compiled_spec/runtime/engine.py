@@ -126,18 +126,22 @@ class Engine:
                 self.runner.prefill(slot, prompt, torch.ones(1, dtype=torch.int64, device=device))
                 self.state.done[0] = True
 
-    def _time_steps(self, repeats: int = 5) -> None:
-        """Seconds per step of every (bucket, k), the median of a few runs over free slots."""
+    def _time_steps(self, rounds: int = 9) -> None:
+        """Seconds per step of every (bucket, k) over free slots: the fastest of several rounds that take every k
+        in turn, so a slow moment of the machine (noise only ever adds time) lands on all of them or none."""
         for size in self.batch_buckets:
-            for k in range(self.k + 1):
-                self.runner.step(size, k)
-                times = []
-                for _ in range(repeats):
+            for k in range(self.k + 1):  # first calls: allocations, lazy kernel set-up
+                for _ in range(2):
+                    self.runner.step(size, k)
+            best = [float("inf")] * (self.k + 1)
+            for _ in range(rounds):
+                for k in range(self.k + 1):
                     begin = time.perf_counter()
                     self.runner.step(size, k)
                     self.state.step_emitted[:size].tolist()  # the host copy a live step makes
-                    times.append(time.perf_counter() - begin)
-                self.chooser.seconds[(size, k)] = sorted(times)[repeats // 2]
+                    best[k] = min(best[k], time.perf_counter() - begin)
+            for k, seconds in enumerate(best):
+                self.chooser.seconds[(size, k)] = seconds
 
     def _calibrate(self, prompt_ids: list[int], max_tokens: int = 48) -> None:
         """Decodes one greedy request with every draft slot and seeds the acceptance estimates from it."""
