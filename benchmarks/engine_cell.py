@@ -17,6 +17,39 @@ def percentile(values: list[float], fraction: float) -> float:
     return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
 
 
+def fixed_k_in_the_same_process(llm, prompt_ids: list, params, repeats: int) -> dict:
+    """k = auto against each k it chooses from, forced, on the same engine and graphs in this process (tokens/s
+    of separate processes differ by more than the chooser's margins on this kind of machine); runs interleaved,
+    best of `repeats` each."""
+    from compiled_spec.runtime.draft_chooser import DraftLengthChooser
+
+    class Forced(DraftLengthChooser):
+        def __init__(self, k: int):
+            super().__init__(chooser.max_drafts)
+            self.k = k
+
+        def choose(self, bucket: int) -> int:
+            return self.k
+
+    engine = llm.engine
+    chooser = engine.chooser
+    best: dict[str, float] = {}
+    try:
+        for _ in range(repeats):
+            for k in [*range(chooser.max_drafts + 1), "auto"]:
+                engine.chooser = chooser if k == "auto" else Forced(k)
+                start = time.perf_counter()
+                outputs = llm.generate(prompt_ids, params)
+                rate = sum(len(o.token_ids) for o in outputs) / (time.perf_counter() - start)
+                best[str(k)] = max(best.get(str(k), 0.0), rate)
+    finally:
+        engine.chooser = chooser
+    fixed = {k: rate for k, rate in best.items() if k != "auto"}
+    best_k = max(fixed, key=fixed.get)
+    return {"same_process_tokens_per_s": best, "same_process_best_fixed_k": int(best_k),
+            "same_process_auto_over_best_fixed_k": best["auto"] / fixed[best_k]}
+
+
 def measure_engine(spec: dict) -> dict:
     from compiled_spec import LLM, HiSparseConfig, SamplingParams
     from compiled_spec.runtime.graph_modes import graphs_made
@@ -57,6 +90,7 @@ def measure_engine(spec: dict) -> dict:
     errors = [output.error for output in outputs if output.finish_reason == "error"]
     if errors:
         raise RuntimeError(f"{len(errors)} requests failed: {errors[0]}")
+    same_process = fixed_k_in_the_same_process(llm, prompt_ids, params, spec["repeats"]) if engine.chooser else {}
 
     stats = outputs[0].stats
     for output in outputs[1:]:
@@ -100,6 +134,7 @@ def measure_engine(spec: dict) -> dict:
         "hisparse_scorer": scorer_in_use(llm.model) if engine.constants.hisparse else None,
         "main_weight_bytes": main_weight_bytes(llm.model),
         "draft_vocab_size": None if llm.model.draft_vocab is None else llm.model.draft_vocab.numel(),
+        **same_process,
     }
 
 

@@ -30,14 +30,21 @@ def auto_rows(results: dict) -> list[str]:
     if not cells:
         return []
     lines = ["", "k = auto chooses k before each step from the step times it measured at warm-up and the running "
-                 "acceptance; its tokens/s over the best fixed k of the same mode and batch size:", "",
-             "| mode | batch | k chosen (steps) | auto tokens/s | best fixed k | its tokens/s | auto / best |",
-             "|---|---|---|---|---|---|---|"]
+                 "acceptance. Its tokens/s over the best fixed k: of the same mode and batch size in this sweep "
+                 "(another process each), and with each k forced on the auto cell's own engine (same process, "
+                 "same graphs, runs interleaved):", "",
+             "| mode | batch | k chosen (steps) | auto tokens/s | best fixed k | its tokens/s | auto / best | "
+             "same process: tokens/s by forced k | best | auto / best |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in cells:
         chosen = ", ".join(f"k={k}: {n}" for k, n in r.get("steps_per_num_drafts", {}).items())
+        forced = " / ".join(f"{number(rate)}" for k, rate in r.get("same_process_tokens_per_s", {}).items()
+                            if k != "auto")
         lines.append(f"| {r['graph_mode']} | {r['batch_size']} | {chosen} | {number(r['tokens_per_s'])} | "
                      f"{r.get('best_fixed_k', '–')} | {number(r.get('best_fixed_k_tokens_per_s'))} | "
-                     f"{number(r.get('auto_over_best_fixed_k'), 3)} |")
+                     f"{number(r.get('auto_over_best_fixed_k'), 3)} | {forced or '–'} | "
+                     f"{r.get('same_process_best_fixed_k', '–')} | "
+                     f"{number(r.get('same_process_auto_over_best_fixed_k'), 3)} |")
     return lines
 
 

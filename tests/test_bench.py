@@ -78,6 +78,11 @@ def test_bench_compares_auto_with_the_best_fixed_k(tiny_checkpoint, tmp_path):
     best = max((plain, fixed), key=lambda r: r["tokens_per_s"])
     assert auto["best_fixed_k"] == best["num_speculative_tokens"]
     assert auto["auto_over_best_fixed_k"] == pytest.approx(auto["tokens_per_s"] / best["tokens_per_s"])
+    forced = auto["same_process_tokens_per_s"]
+    assert set(forced) == {"0", "1", "2", "3", "auto"} and min(forced.values()) > 0
+    fixed = {k: rate for k, rate in forced.items() if k != "auto"}
+    assert auto["same_process_best_fixed_k"] == int(max(fixed, key=fixed.get))
+    assert auto["same_process_auto_over_best_fixed_k"] == pytest.approx(forced["auto"] / max(fixed.values()))
     table = (tmp_path / "results.md").read_text()
     assert "| eager | auto | 1 |" in table and "k = auto chooses k before each step" in table
     assert (tmp_path / "tokens_per_s.png").read_bytes().startswith(b"\x89PNG")
