@@ -47,9 +47,10 @@ class LLM:
     ):
         """num_speculative_tokens: drafts per step (k), or "auto": before each step, the k in
         0..max_speculative_tokens with the most expected tokens per second, from step times measured at warm-up
-        and the running acceptance. mtp: a directory of MTP modules for the base model (compiled-spec train-mtp writes one); a named model
-        uses the modules shipped for it. draft_vocab_size: drafts sample over the modules' most frequent tokens
-        (default: the size they were trained with; the vocabulary size, or more, drafts over all of it)."""
+        and the running acceptance. mtp: a directory of MTP modules for the base model (compiled-spec train-mtp
+        writes one); a named model uses the modules shipped for it. draft_vocab_size: drafts sample over the
+        modules' most frequent tokens (default: the size they were trained with; the vocabulary size, or more,
+        drafts over all of it)."""
         self.path = resolve_model(model) or DEFAULT_MODEL
         mtp = mtp if mtp is not None else shipped_mtp_modules(self.path)
         self.mtp_path = None if mtp is None else Path(mtp)

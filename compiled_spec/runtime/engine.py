@@ -117,9 +117,10 @@ class Engine:
         for kind, size, k in bar:
             drafts = "" if k is None else f" k={k}"
             bar.set_postfix_str(f"{kind} {'batch' if kind == 'step' else 'prompt'}={size}{drafts}")
-            if kind == "step":
-                # every slot is free and marked done: nothing live is touched
-                self.runner.step(size) if k is None else self.runner.step(size, k)
+            if kind == "step" and k is None:  # every slot is free and marked done: nothing live is touched
+                self.runner.step(size)
+            elif kind == "step":
+                self.runner.step(size, k)
             else:
                 slot = torch.zeros(1, dtype=torch.int64, device=device)
                 prompt = torch.zeros(1, size, dtype=torch.int64, device=device)
