@@ -10,8 +10,6 @@ no step is chosen to be slower per token than plain decoding.
 
 from __future__ import annotations
 
-from collections import Counter
-
 
 class DraftLengthChooser:
     def __init__(self, max_drafts: int, acceptance_decay: float = 0.98):
@@ -19,7 +17,6 @@ class DraftLengthChooser:
         self.acceptance = [1.0] * max_drafts  # optimistic until observed: calibration replaces it
         self.seconds: dict[tuple[int, int], float] = {}  # (bucket, k) -> seconds per step
         self.acceptance_decay = acceptance_decay
-        self.chosen: Counter = Counter()  # k -> steps it was chosen for
 
     def expected_tokens(self, k: int) -> float:
         total, reach = 1.0, 1.0
@@ -33,12 +30,9 @@ class DraftLengthChooser:
         was never timed in this bucket (no warm-up) is chosen first, so the live step times it."""
         untimed = [k for k in range(self.max_drafts + 1) if (bucket, k) not in self.seconds]
         if untimed:
-            best = untimed[0]
-        else:
-            rates = {k: self.expected_tokens(k) / self.seconds[(bucket, k)] for k in range(self.max_drafts + 1)}
-            best = max(rates, key=lambda k: (rates[k], -k))
-        self.chosen[best] += 1
-        return best
+            return untimed[0]
+        rates = {k: self.expected_tokens(k) / self.seconds[(bucket, k)] for k in range(self.max_drafts + 1)}
+        return max(rates, key=lambda k: (rates[k], -k))
 
     def observe_step(self, bucket: int, k: int, seconds: float, lanes: list[tuple[int, int]]) -> None:
         """lanes: per lane, (drafts it verified, drafts accepted). A lane verifies fewer than k drafts when the

@@ -56,16 +56,12 @@ class ServerMetrics:
         self._per_pos = [self.accepted_per_pos.labels(model_name, str(p)) for p in range(num_speculative_tokens)]
         self.num_speculative_tokens = num_speculative_tokens
 
-    def record_step(self, accepted_per_lane: list[int], verified_per_lane: list[int] | None = None,
-                    num_drafts: int | None = None) -> None:
-        """One verify step: each lane verified its drafts (default: k) and accepted a prefix of them; num_drafts:
-        the k the step drafted with."""
+    def record_step(self, accepted_per_lane: list[int], verified_per_lane: list[int], num_drafts: int) -> None:
+        """One verify step: each lane verified some drafts and accepted a prefix of them; num_drafts: the k the
+        step drafted with."""
         if self.num_speculative_tokens == 0:
             return
-        if verified_per_lane is None:
-            verified_per_lane = [self.num_speculative_tokens] * len(accepted_per_lane)
-        chosen = self.num_speculative_tokens if num_drafts is None else num_drafts
-        self.steps_per_num_drafts.labels(self.model_name, str(chosen)).inc()
+        self.steps_per_num_drafts.labels(self.model_name, str(num_drafts)).inc()
         self.num_drafts.inc(len(accepted_per_lane))
         self.num_draft_tokens.inc(sum(verified_per_lane))
         self.num_accepted_tokens.inc(sum(accepted_per_lane))
