@@ -117,8 +117,10 @@ def engine_options(command):
                      help="eager: no compilation; compile: torch.compile; piecewise: compiled pieces, attention "
                           "outside; full: the whole speculative step as one graph (max-autotune; cudagraphs on CUDA; "
                           "on CPU compiled once per model and configuration, minutes, and saved under "
-                          "TORCHINDUCTOR_CACHE_DIR, later runs load it in about a second). Default: full on CUDA, "
-                          "eager on CPU."),
+                          "TORCHINDUCTOR_CACHE_DIR, later runs load it in seconds). Default: full; on CPU the first "
+                          "run answers at once in eager while full compiles in a background process, and switches "
+                          "when it is ready (--graph-mode full waits for the compile instead). "
+                          "$COMPILED_SPEC_GRAPH_MODE sets another default."),
         click.option("--max-batch-size", "max_batch_size", type=int, default=8, show_default=True,
                      help="Prompts decoded together; more prompts wait for a free slot."),
         click.option("--max-seq-len", "max_seq_len", type=int, default=512, show_default=True,
@@ -252,7 +254,7 @@ def generate(prompts, prompt_ids, model, mtp, draft_vocab_size, num_speculative_
     outputs = llm.generate(model_prompts, params, on_tokens=streamer.on_tokens if streamer else None)
     elapsed = time.perf_counter() - start
 
-    summary = cli_format.Summary(llm.num_speculative_tokens, llm.config.graph_mode.value, outputs, elapsed,
+    summary = cli_format.Summary(llm.num_speculative_tokens, llm.engine.graph_mode_run(), outputs, elapsed,
                                  draft_slots=llm.draft_slots)
     for index, (prompt, output) in enumerate(zip(all_prompts, outputs)):
         if as_json:

@@ -125,6 +125,8 @@ def measure_engine(spec: dict) -> dict:
         # full on CPU: bucket packages compiled at warm-up, and those a warm start loaded instead.
         "packages_compiled": len(packages_compiled),
         "packages_loaded": len(packages_loaded),
+        "package_bytes": engine.runner.package_bytes(),
+        "weight_bytes": sum(tensor.numel() * tensor.element_size() for tensor in llm.model.state_dict().values()),
         "batch_buckets": list(engine.batch_buckets),
         "prefill_buckets": list(engine.prefill_buckets),
         "output_digests": [digest(output.token_ids) for output in outputs],

@@ -80,6 +80,26 @@ def engine_row(record: dict, anchors: list[str]) -> str:
     return head + " " + " | ".join(cells) + " |"
 
 
+def startup_rows(results: dict) -> list[str]:
+    """Cells with ahead-of-time packages (full on CPU): what their start cost and what the packages weigh."""
+    packaged = [r for r in engine_records(results) if r["status"] == "ok" and r.get("packages_compiled", 0)
+                + r.get("packages_loaded", 0) and "package_bytes" in r]
+    if not packaged:
+        return []
+    lines = ["", "Start-up (full on CPU): warm-up compiles the packages it does not find and loads the others; "
+             "package bytes on disk against the weights' bytes times the packages.", "",
+             "| mode | k | batch | packages compiled / loaded | warm-up s | package MB | weights MB × packages "
+             "| package / (weights × packages) |", "|---|---|---|---|---|---|---|---|"]
+    for r in packaged:
+        count = r["packages_compiled"] + r["packages_loaded"]
+        weights = r["weight_bytes"] * count
+        lines.append(f"| {r['graph_mode']} | {r['num_speculative_tokens']} | {r['batch_size']} | "
+                     f"{r['packages_compiled']} / {r['packages_loaded']} | {number(r['warmup_s'])} | "
+                     f"{number(r['package_bytes'] / 1e6)} | {number(weights / 1e6)} | "
+                     f"{r['package_bytes'] / weights:.0%} |")
+    return lines
+
+
 def anchor_row(record: dict) -> str:
     head = f"| {record['anchor']} | {record['batch_size']} |"
     if record["status"] != "ok":
@@ -139,6 +159,7 @@ def markdown(results: dict, plot_names: list[str] = ()) -> str:
     ]
     lines += [engine_row(record, anchors) for record in engine_records(results)]
     lines += auto_rows(results)
+    lines += startup_rows(results)
     if anchors:
         lines += ["", "| anchor | batch | tokens/s | warm-up s | peak RSS MiB | notes |", "|---|---|---|---|---|---|"]
         lines += [anchor_row(record) for record in anchor_records(results)]

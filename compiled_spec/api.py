@@ -44,13 +44,16 @@ class LLM:
         hisparse: HiSparseConfig | None = None,
         mtp: str | Path | None = None,
         draft_vocab_size: int | None = None,
+        background_compile: bool | None = None,
     ):
         """num_speculative_tokens: drafts per step (k), or "auto": before each step, the k in
         0..max_speculative_tokens with the most expected tokens per second, from step times measured at warm-up
         and the running acceptance. mtp: a directory of MTP modules for the base model (compiled-spec train-mtp
         writes one); a named model uses the modules shipped for it. draft_vocab_size: drafts sample over the
         modules' most frequent tokens (default: the size they were trained with; the vocabulary size, or more,
-        drafts over all of it)."""
+        drafts over all of it). background_compile (tiered start; full on CPU): graphs with no saved package compile
+        in a child process while the engine decodes in eager, and the engine switches to them between two steps
+        when all are ready; default: on when graph_mode is left to its default, off when it is given."""
         self.path = resolve_model(model) or DEFAULT_MODEL
         mtp = mtp if mtp is not None else shipped_mtp_modules(self.path)
         self.mtp_path = None if mtp is None else Path(mtp)
@@ -78,6 +81,18 @@ class LLM:
         self.eos_ids = eos_token_ids(self.path, self.model_config.eos_token_ids, self.tokenizer)
         self.engine = Engine(self.model, self.config, self.eos_ids, self.tokenizer)
         self.engine.calibration_prompt = self._calibration_prompt()
+        if background_compile is None:
+            background_compile = graph_mode is None and self.config.graph_mode == GraphMode.FULL and device == "cpu"
+        if background_compile:
+            if self.config.graph_mode != GraphMode.FULL or device != "cpu":
+                raise CompiledSpecError(f"background_compile=True needs graph_mode='full' on CPU, not "
+                                        f"{self.config.graph_mode.value!r} on {device!r}")
+            self.engine.background_arguments = dict(
+                model=str(self.path), mtp=self.mtp_path, draft_vocab_size=draft_vocab_size,
+                num_speculative_tokens=self.config.num_speculative_tokens, max_speculative_tokens=max_speculative_tokens,
+                max_batch_size=max_batch_size, max_seq_len=max_seq_len, device=device, dtype=self.config.dtype,
+                seed=seed, batch_buckets=batch_buckets, prefill_buckets=prefill_buckets, hisparse=hisparse,
+            )
         if warm_up:
             self.engine.warm_up(show_progress)
         self._requests_made = itertools.count()  # seeds unseeded requests; next() is atomic across threads

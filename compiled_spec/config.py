@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -21,6 +22,9 @@ ARCHITECTURE_OF_MODEL_TYPE = {
 }
 
 
+GRAPH_MODE_VARIABLE = "COMPILED_SPEC_GRAPH_MODE"
+
+
 class GraphMode(str, enum.Enum):
     EAGER = "eager"
     COMPILE = "compile"
@@ -29,9 +33,9 @@ class GraphMode(str, enum.Enum):
 
     @classmethod
     def default_for(cls, device: str) -> "GraphMode":
-        """full where graphs are captured and replayed (CUDA); eager on CPU, where full's first start compiles
-        every bucket for minutes (later starts load the saved packages in about a second)."""
-        return cls.FULL if str(device).startswith("cuda") else cls.EAGER
+        """full, on CPU and CUDA; the environment variable COMPILED_SPEC_GRAPH_MODE names another default. (On CPU
+        the LLM starts tiered: it decodes in eager while full's packages compile in the background.)"""
+        return cls.parse(os.environ.get(GRAPH_MODE_VARIABLE, cls.FULL.value))
 
     @classmethod
     def parse(cls, value: "str | GraphMode") -> "GraphMode":

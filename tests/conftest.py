@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -12,6 +13,9 @@ from tiny_checkpoints import write_checkpoint
 
 # Tiny models run fastest on one thread, and the suite runs one worker per core (pytest -n 2).
 torch.set_num_threads(1)
+# A test that does not name a graph mode runs the reference, eager, in this process and in the CLIs and servers it
+# starts (the default, full, starts a background compile on CPU); test_default_graph_mode checks the real default.
+os.environ["COMPILED_SPEC_GRAPH_MODE"] = "eager"
 
 LLAMA3_ROPE = {
     "rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,

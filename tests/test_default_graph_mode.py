@@ -1,10 +1,32 @@
-from compiled_spec import LLM, GraphMode
+import pytest
+
+from compiled_spec import LLM, CompiledSpecError, GraphMode
+from compiled_spec.config import GRAPH_MODE_VARIABLE
 
 
-def test_full_is_the_default_where_graphs_are_replayed_and_eager_on_cpu(tiny_checkpoint):
+def test_full_is_the_default_and_on_cpu_it_starts_tiered(tiny_checkpoint, monkeypatch):
+    monkeypatch.delenv(GRAPH_MODE_VARIABLE)  # the suite's conftest makes eager the default for the other tests
     assert GraphMode.default_for("cuda") == GraphMode.FULL
-    assert GraphMode.default_for("cuda:1") == GraphMode.FULL
-    assert GraphMode.default_for("cpu") == GraphMode.EAGER
+    assert GraphMode.default_for("cpu") == GraphMode.FULL
+    path = tiny_checkpoint("predictive").path
+    llm = LLM(path, max_seq_len=32, warm_up=False)
+    assert llm.config.graph_mode == GraphMode.FULL
+    assert llm.engine.background_arguments is not None  # warm-up would compile in the background
+    given = LLM(path, max_seq_len=32, graph_mode="full", warm_up=False)
+    assert given.engine.background_arguments is None  # a graph mode given: warm-up waits for its compile
+
+
+def test_the_environment_names_another_default(tiny_checkpoint, monkeypatch):
+    monkeypatch.setenv(GRAPH_MODE_VARIABLE, "compile")
+    assert GraphMode.default_for("cpu") == GraphMode.COMPILE
+    monkeypatch.setenv(GRAPH_MODE_VARIABLE, "eager")
     llm = LLM(tiny_checkpoint("predictive").path, max_seq_len=32)
-    assert llm.config.graph_mode == GraphMode.EAGER
-    assert LLM(tiny_checkpoint("predictive").path, max_seq_len=32, graph_mode="full", warm_up=False).config.graph_mode == GraphMode.FULL
+    assert llm.config.graph_mode == GraphMode.EAGER and llm.engine.background_arguments is None
+    monkeypatch.setenv(GRAPH_MODE_VARIABLE, "fast")
+    with pytest.raises(CompiledSpecError, match="unknown graph mode 'fast'; choose one of: eager, compile"):
+        GraphMode.default_for("cpu")
+
+
+def test_a_background_compile_needs_full_on_cpu(tiny_checkpoint):
+    with pytest.raises(CompiledSpecError, match="background_compile=True needs graph_mode='full' on CPU, not 'eager'"):
+        LLM(tiny_checkpoint("predictive").path, max_seq_len=32, graph_mode="eager", background_compile=True)

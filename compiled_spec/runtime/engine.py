@@ -7,6 +7,8 @@ runs on a prefix of the slots, padded up to a batch bucket; padding lanes are fr
 
 from __future__ import annotations
 
+import logging
+import sys
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -22,11 +24,13 @@ from ..model.rope import rotary_tables
 from ..params import RequestOutput, SamplingParams, SpecStats
 from ..speculative.state import DecodeState, move_slot
 from ..speculative.step import StepConstants
+from .background_compile import BackgroundCompile
 from .buckets import checked_buckets, default_batch_buckets, default_prefill_buckets, pick_bucket
 from .draft_chooser import DraftLengthChooser
 from .graph_modes import StepRunner
 
 TokenCallback = Callable[[int, list[int]], None]
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -87,45 +91,124 @@ class Engine:
         self.step_seconds: list[float] = []  # wall time of each decode step, the host copy of its results included
         self.warmup_seconds = 0.0
         self.calibration_prompt: list[int] | None = None  # what k = auto decodes at warm-up (the LLM sets it)
+        self.background_arguments: dict | None = None  # the LLM's arguments: set, warm-up starts tiered (full, CPU)
+        self.background: BackgroundCompile | None = None
+        self.steps_run = 0
+        self.switches: list[int] = []  # steps_run at each switch_runner
+        self._full_runner, self._next_poll, self._show_progress = None, 0.0, False
 
     def draft_lengths(self) -> list[int | None]:
         """The k values steps run with: every 0..K with auto, else None (the fixed k)."""
         return list(range(self.k + 1)) if self.chooser else [None]
 
+    def warm_up_graphs(self, runner: StepRunner | None = None) -> list[tuple[str, int, int | None]]:
+        """(kind, size, k) of every graph warm-up makes for `runner` (default: this engine's): each batch bucket (for
+        every k with auto, else k None, every draft slot) and each prefill bucket if the runner compiles prefill."""
+        graphs = [("step", size, k) for size in reversed(self.batch_buckets) for k in self.draft_lengths()]
+        if (runner or self.runner).compiles_prefill:
+            graphs += [("prefill", size, None) for size in reversed(self.prefill_buckets)]
+        return graphs
+
     def warm_up(self, show_progress: bool = True) -> None:
-        """Compiles every batch bucket (for every k with auto) and prefill bucket once, before any request is
-        admitted. With auto it then times every (bucket, k) graph and seeds the acceptance estimates by decoding
-        self.calibration_prompt."""
+        """Compiles every graph of warm_up_graphs() once, before any request is admitted. With auto it then times
+        every (bucket, k) graph and seeds the acceptance estimates by decoding self.calibration_prompt.
+
+        With background_arguments set (tiered start, full on CPU), packages that are missing compile in a child
+        process instead: the engine decodes in eager meanwhile and switches between two steps (poll_background)."""
         if self.config.graph_mode == GraphMode.EAGER and not self.chooser:
             return
         if self.slots:
             raise RuntimeError("warm_up() must run before requests are admitted")
         start = time.perf_counter()
         if self.config.graph_mode != GraphMode.EAGER:
-            self._compile_buckets(show_progress)
+            missing = [graph for graph in self.warm_up_graphs() if not self._package_exists(graph)]
+            if missing and self.background_arguments is not None:
+                self._start_in_eager(missing, show_progress)
+            else:
+                self._compile_graphs(show_progress)
         if self.chooser:
             self._time_steps()
             if self.calibration_prompt:
                 self._calibrate(self.calibration_prompt)
         self.warmup_seconds = time.perf_counter() - start
 
-    def _compile_buckets(self, show_progress: bool) -> None:
-        device = self.state.seq_lens.device
-        work = [("step", size, k) for size in reversed(self.batch_buckets) for k in self.draft_lengths()]
-        work += [("prefill", size, None) for size in reversed(self.prefill_buckets)]
-        bar = tqdm(work, desc="compiling buckets", unit="graph", disable=not show_progress)
+    def _package_exists(self, graph) -> bool:
+        path = self.runner.package_path(*graph)
+        return path is not None and path.exists()
+
+    def _compile_graphs(self, show_progress: bool) -> None:
+        bar = tqdm(self.warm_up_graphs(), desc="compiling buckets", unit="graph", disable=not show_progress)
         for kind, size, k in bar:
             drafts = "" if k is None else f" k={k}"
             bar.set_postfix_str(f"{kind} {'batch' if kind == 'step' else 'prompt'}={size}{drafts}")
-            if kind == "step" and k is None:  # every slot is free and marked done: nothing live is touched
-                self.runner.step(size)
-            elif kind == "step":
-                self.runner.step(size, k)
-            else:
-                slot = torch.zeros(1, dtype=torch.int64, device=device)
-                prompt = torch.zeros(1, size, dtype=torch.int64, device=device)
-                self.runner.prefill(slot, prompt, torch.ones(1, dtype=torch.int64, device=device))
-                self.state.done[0] = True
+            self.compile_graph(kind, size, k)
+
+    def compile_graph(self, kind: str, size: int, num_drafts: int | None) -> None:
+        """Makes one graph of warm_up_graphs() by calling it once over free slots (every slot is free and marked
+        done, so nothing live is touched)."""
+        if self.slots:
+            raise RuntimeError("compile_graph() needs every slot free")
+        function, args = self.runner.warm_up_call(kind, size, num_drafts)
+        with torch.inference_mode():
+            function(*self.runner.bound, *args)
+        self.state.done[0] = True  # a prefill over slot 0 marked it live
+
+    def _start_in_eager(self, missing: list, show_progress: bool) -> None:
+        self._full_runner = self.runner
+        self.runner = StepRunner(self.model, self.state, self.constants, GraphMode.EAGER,
+                                 draft_lengths=self.runner.draft_lengths)
+        paths = [self._full_runner.package_path(*graph) for graph in missing]
+        self.background = BackgroundCompile(self.background_arguments, missing, paths, show_progress)
+        self._show_progress = show_progress
+
+    def poll_background(self, wait: bool = False, timeout: float | None = None) -> str | None:
+        """Between steps: switches to the full graphs once the background compile has made them all. Returns
+        "ready" (switched now), "running", "failed" (the engine stays in eager; one warning says why), or None
+        when nothing compiles in the background."""
+        background = self.background
+        if background is None:
+            return None
+        now = time.monotonic()
+        if not wait and now < self._next_poll:
+            return "running"
+        self._next_poll = now + 0.5
+        status = background.wait(timeout) if wait else background.poll()
+        if status == "failed":
+            self.background = None
+            background.stop()
+            log.warning("compiled-spec: compiling the full graphs failed (%s; log: %s); decoding stays in eager",
+                        background.failure(), background.log)
+        elif status == "ready":
+            full = self._full_runner
+            self.switch_runner(full, [full.warm_up_call(*graph) for graph in self.warm_up_graphs(full)])
+            self.background = None
+            if self._show_progress:
+                tqdm.write(f"compiled-spec: switched to full graphs after {self.steps_run} steps, "
+                           f"{time.perf_counter() - background.started:.0f} s after the start", file=sys.stderr)
+        return status
+
+    def graph_mode_run(self) -> str:
+        """The graph mode(s) the steps so far ran in: "full", or for a tiered start "eager, then full from step N" or
+        "eager (full compiling in the background)"."""
+        mode = self.runner.mode.value
+        if self.switches:
+            return f"eager, then {mode} from step {self.switches[0] + 1}"
+        if self.background is not None:
+            return f"{mode} (full compiling in the background)"
+        return mode
+
+    def switch_runner(self, runner: StepRunner, calls: list[tuple] = ()) -> None:
+        """Between two steps: the next steps run on `runner`, which must be bound to this engine's state. The step
+        is a pure function of that state, so the switch changes no token and no acceptance count. `calls`:
+        (function, args) of graphs to load beforehand (packages are loaded without being run)."""
+        if runner.state is not self.state:
+            raise ValueError("the runner must be bound to this engine's state")
+        for function, args in calls:
+            runner.load(function, args)
+        self.runner = runner
+        self.switches.append(self.steps_run)
+        if self.chooser:  # the seconds measured were the old runner's: each k is timed again on its first step
+            self.chooser.seconds.clear()
 
     def _time_steps(self, rounds: int = 9) -> None:
         """Seconds per step of every (bucket, k) over free slots: the fastest of several rounds that take every k
@@ -201,6 +284,7 @@ class Engine:
 
     def step(self, on_tokens: TokenCallback | None = None) -> StepRecord:
         """One speculative step over every admitted request; finished requests leave their slots."""
+        self.poll_background()
         start = time.perf_counter()
         batch = pick_bucket(self.batch_buckets, len(self.slots))
         k = self.chooser.choose(batch) if self.chooser else self.k
@@ -212,6 +296,7 @@ class Engine:
         finished, lanes = self._collect(len(self.slots), on_tokens, first_slot=0, record_stats=True,
                                         num_drafts=k, verified=verified)
         seconds = time.perf_counter() - start
+        self.steps_run += 1
         if self.chooser:
             self.chooser.observe_step(batch, k, seconds, [(v, accepted) for v, (_, accepted) in zip(verified, lanes)])
         return StepRecord(finished, lanes, seconds, k, verified)

@@ -16,6 +16,7 @@ itself never does).
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import torch
 from torch._inductor.compile_fx import compile_fx
@@ -51,6 +52,16 @@ def inductor_options(mode: GraphMode, device: torch.device) -> dict:
     return {"triton.cudagraphs": False}
 
 
+def options_for_rows(options: dict, rows: int) -> dict:
+    """full on CPU, for a graph whose GEMMs have `rows` rows (tokens) at most: below 16 only the C++ GEMM templates,
+    which are then not benchmarked. Over frozen weights they won all 32 autotunes of 1-5 rows here (by 1.4-10x),
+    and ATen won all 18 of 16-64 rows; a cold compile of a k=3 batch-1 step took 233 s with the benchmarks and 168 s
+    without, and the two packages' steps timed 2.51 and 2.49 ms in one process."""
+    if not options.get("freezing") or rows >= 16:
+        return options
+    return {**options, "max_autotune_gemm_backends": "CPP"}
+
+
 def spec_backend(options: dict, manager: SpecPassManager):
     """A torch.compile backend: inductor with the given options and our passes installed."""
 
@@ -79,11 +90,13 @@ class StepRunner:
         (k = auto); each k is a graph of its own, with the writes it makes checked by its own passes."""
         self.mode = mode
         self.state = state
+        self.draft_lengths = draft_lengths
+        self.compiles_prefill = mode != GraphMode.EAGER
         captures = mode in (GraphMode.PIECEWISE, GraphMode.FULL)
         # A shallow copy: the same buffers, but later rebinding of a field on `state` does not reach it.
         graph_state = dataclasses.replace(state) if captures else state
         self.managers: dict[str, SpecPassManager] = {}
-        self._bound = (model, graph_state, constants)
+        self.bound = (model, graph_state, constants)
         self._step, self._prefill = step_function, prefill_function
         self._steps_by_k: dict[int, object] = {k: step_function for k in draft_lengths}
         if mode == GraphMode.EAGER:
@@ -95,6 +108,14 @@ class StepRunner:
         options = inductor_options(mode, device)
         model_key = model_digest(model, constants) if options.get("freezing") else None
 
+        slots = state.draft_tokens.shape[1]
+
+        def bucket_options(options: dict, args: tuple) -> dict:
+            """args: (batch_size,) or (batch_size, k) of a step, (slot, prompt_ids, prompt_len) of a prefill."""
+            if isinstance(args[0], torch.Tensor):
+                return options_for_rows(options, args[1].shape[1])
+            return options_for_rows(options, args[0] * ((args[1] if len(args) > 1 else slots) + 1))
+
         def compiled(name: str, function, num_drafts: int | None = None):
             context = PassContext(
                 graph_name=f"{name} ({mode.value})", state_writes=state_writes(state, num_drafts),
@@ -103,7 +124,7 @@ class StepRunner:
             manager = SpecPassManager(passes if passes is not None else default_passes(constants.hisparse), context)
             self.managers[name] = manager
             if options.get("freezing"):
-                return AheadOfTimeCompiled(function, manager, options, model_key)
+                return AheadOfTimeCompiled(function, manager, options, model_key, bucket_options)
             return torch.compile(function, fullgraph=True, dynamic=False, backend=spec_backend(options, manager))
 
         self._step, self._prefill = compiled("step", step_function), compiled("prefill", prefill_function)
@@ -115,6 +136,10 @@ class StepRunner:
         packaged = self._packaged()
         return [name for f in packaged for name in f.compiled], [name for f in packaged for name in f.loaded]
 
+    def package_bytes(self) -> int:
+        """Bytes on disk of the packages this runner compiled or loaded."""
+        return sum((f.folder / name).stat().st_size for f in self._packaged() for name in f.compiled + f.loaded)
+
     def export_traces(self) -> int:
         """Graphs Dynamo traced while this runner exported its packages (torch.cond's branches)."""
         return sum(f.export_traces for f in self._packaged())
@@ -123,16 +148,38 @@ class StepRunner:
         functions = (self._step, self._prefill, *self._steps_by_k.values())
         return [f for f in functions if isinstance(f, AheadOfTimeCompiled)]
 
+    def warm_up_call(self, kind: str, size: int, num_drafts: int | None) -> tuple:
+        """(function, arguments) of the graph warm-up makes for a batch bucket (kind "step", with num_drafts None
+        for every draft slot) or a prefill bucket (kind "prefill", over slot 0)."""
+        if kind == "prefill":
+            device = self.state.seq_lens.device
+            slot = torch.zeros(1, dtype=torch.int64, device=device)
+            prompt = torch.zeros(1, size, dtype=torch.int64, device=device)
+            return self._prefill, (slot, prompt, torch.ones(1, dtype=torch.int64, device=device))
+        if num_drafts is None or num_drafts == self.state.draft_tokens.shape[1]:
+            return self._step, (size,)
+        return self._steps_by_k[num_drafts], (size, num_drafts)
+
+    def package_path(self, kind: str, size: int, num_drafts: int | None) -> Path | None:
+        """Where the ahead-of-time package of that graph is kept (full on CPU), else None."""
+        function, args = self.warm_up_call(kind, size, num_drafts)
+        return function.package_path(self.bound[1], args) if isinstance(function, AheadOfTimeCompiled) else None
+
+    def load(self, function, args: tuple) -> None:
+        """Loads the package of a warm_up_call without running it (full on CPU; the other modes compile on a call)."""
+        if isinstance(function, AheadOfTimeCompiled):
+            function.prepare(*self.bound, *args)
+
     @torch.inference_mode()
     def step(self, batch_size: int, num_drafts: int | None = None):
         """One step that drafts num_drafts tokens: None or K (every draft slot), or one of draft_lengths."""
         if num_drafts is None or num_drafts == self.state.draft_tokens.shape[1]:
-            return self._step(*self._bound, batch_size)
-        return self._steps_by_k[num_drafts](*self._bound, batch_size, num_drafts)
+            return self._step(*self.bound, batch_size)
+        return self._steps_by_k[num_drafts](*self.bound, batch_size, num_drafts)
 
     @torch.inference_mode()
     def prefill(self, slot: torch.Tensor, prompt_ids: torch.Tensor, prompt_len: torch.Tensor):
-        return self._prefill(*self._bound, slot, prompt_ids, prompt_len)
+        return self._prefill(*self.bound, slot, prompt_ids, prompt_len)
 
 
 def graphs_made(runner: StepRunner) -> int:

@@ -53,9 +53,11 @@ class AheadOfTimeCompiled:
     """Stands in for torch.compile(function): the first call of each bucket (argument shapes and fixed
     values) loads its package, or exports, compiles and saves it when there is none."""
 
-    def __init__(self, function, manager, options: dict, model_key: str):
-        """model_key: model_digest(model, constants) of the model and constants every call passes."""
+    def __init__(self, function, manager, options: dict, model_key: str, bucket_options=None):
+        """model_key: model_digest(model, constants) of the model and constants every call passes.
+        bucket_options(options, args) -> the options for one bucket (default: the same for all)."""
         self.function, self.manager, self.options, self.model_key = function, manager, options, model_key
+        self.bucket_options = bucket_options or (lambda options, args: options)
         self.folder = Path(cache_dir()) / PACKAGE_FOLDER
         self.packages: dict[tuple, object] = {}
         self.compiled: list[str] = []  # package files this object compiled; the rest it loaded
@@ -64,18 +66,29 @@ class AheadOfTimeCompiled:
         self._state, self._state_tensors = None, []  # the last state called with, flattened once
 
     def __call__(self, model, state: DecodeState, constants, *args):
-        bucket = tuple(tuple(arg.shape) if isinstance(arg, torch.Tensor) else arg for arg in args)
-        package = self.packages.get(bucket)
-        if package is None:
-            package = self.packages[bucket] = self._package(model, state, constants, args, bucket)
+        package = self.prepare(model, state, constants, *args)
         if state is not self._state:  # the runner passes the same captured state on every call
             self._state, self._state_tensors = state, state.tensors()
         return package(*self._state_tensors, *(arg for arg in args if isinstance(arg, torch.Tensor)))
 
-    def _package(self, model, state, constants, args, bucket):
-        key = package_key(self.function, self.manager.uuid(), self.options, self.model_key, state, args)
+    def prepare(self, model, state: DecodeState, constants, *args):
+        """The loaded package for a call with these arguments: loaded, or compiled first when there is none."""
+        bucket = tuple(tuple(arg.shape) if isinstance(arg, torch.Tensor) else arg for arg in args)
+        package = self.packages.get(bucket)
+        if package is None:
+            package = self.packages[bucket] = self._package(model, state, constants, args)
+        return package
+
+    def package_path(self, state: DecodeState, args: tuple) -> Path:
+        """Where the package for a call with these arguments is (or will be) kept."""
+        options = self.bucket_options(self.options, args)
+        key = package_key(self.function, self.manager.uuid(), options, self.model_key, state, args)
+        bucket = tuple(tuple(arg.shape) if isinstance(arg, torch.Tensor) else arg for arg in args)
         shape = "-".join(str(size) for size in torch.utils._pytree.tree_leaves(bucket))
-        path = self.folder / f"{self.function.__name__}-{shape}-{key[:24]}.pt2"
+        return self.folder / f"{self.function.__name__}-{shape}-{key[:24]}.pt2"
+
+    def _package(self, model, state, constants, args):
+        path = self.package_path(state, args)
         if path.exists():
             self.loaded.append(path.name)
         else:
@@ -100,7 +113,7 @@ class AheadOfTimeCompiled:
         with named_inputs(names):
             torch._inductor.aoti_compile_and_package(
                 exported, package_path=str(partial),
-                inductor_configs={**self.options, "post_grad_custom_post_pass": self.manager},
+                inductor_configs={**self.bucket_options(self.options, args), "post_grad_custom_post_pass": self.manager},
             )
         os.replace(partial, path)  # atomic: a process that loads concurrently sees a whole package or none
 

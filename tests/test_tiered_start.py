@@ -1,0 +1,112 @@
+"""Tiered start (full on CPU): the engine decodes in eager while the full packages compile in a child process, and
+switches to them between two steps. The step is a pure function of the persistent state, so a switch in the middle
+of requests changes no token and no accepted count, and nothing compiles after it."""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+
+import pytest
+import torch
+
+from compiled_spec import LLM, SamplingParams
+from compiled_spec.config import GraphMode
+from compiled_spec.runtime.graph_modes import StepRunner, graphs_made
+from test_graph_modes import ENGINE, PROMPT_LENGTHS
+from test_hisparse import MIRROR_ENGINE, SATURATED, prompts_for
+
+SWITCH_AT_STEP = 5
+
+
+def mixed_requests(llm: LLM, prompts):
+    """Greedy and seeded sampling, alternating: both kinds of accept test run before and after the switch."""
+    greedy = SamplingParams(max_tokens=16, ignore_eos=True)
+    sampled = SamplingParams(max_tokens=16, ignore_eos=True, temperature=0.9, top_p=0.9, seed=11)
+    return [llm.make_request(i, prompt, greedy if i % 2 == 0 else sampled) for i, prompt in enumerate(prompts)]
+
+
+def decode(llm: LLM, prompts, switch_to: StepRunner | None = None):
+    """Tokens per request and (request, accepted) per lane per step; with switch_to, the engine switches to it
+    before step SWITCH_AT_STEP, while requests are in flight and others wait."""
+    engine = llm.engine
+    requests = mixed_requests(llm, prompts)
+    queue, steps = deque(requests), []
+    while queue or engine.slots:
+        while queue and engine.has_free_slot():
+            engine.admit(queue.popleft())
+        if switch_to is not None and len(steps) == SWITCH_AT_STEP:
+            assert engine.slots and queue
+            engine.switch_runner(switch_to, [switch_to.warm_up_call(*graph) for graph in engine.warm_up_graphs(switch_to)])
+        steps.append(engine.step().lanes)
+    return [request.output.token_ids for request in requests], steps
+
+
+@pytest.mark.parametrize("hisparse", [None, SATURATED], ids=["dense", "hisparse"])
+def test_a_switch_from_eager_to_full_mid_request_changes_no_token_and_no_accepted_count(tiny_checkpoint, hisparse):
+    path = tiny_checkpoint("predictive").path
+    engine_options = MIRROR_ENGINE if hisparse else ENGINE  # the configurations other tests compile in full
+    prompts = prompts_for(PROMPT_LENGTHS) if hisparse else prompts_for(PROMPT_LENGTHS[:10], seed=3)
+    eager_tokens, eager_steps = decode(LLM(path, graph_mode="eager", hisparse=hisparse, **engine_options), prompts)
+    accepted = {count for step in eager_steps for _, count in step}
+    assert {0, 2} <= accepted, accepted  # rejections and full acceptance on both sides of the switch
+
+    llm = LLM(path, graph_mode="full", hisparse=hisparse, show_progress=False, **engine_options)
+    engine = llm.engine
+    full = engine.runner
+    engine.switch_runner(StepRunner(llm.model, engine.state, engine.constants, GraphMode.EAGER))
+    graphs = graphs_made(full)
+    with torch.compiler.set_stance("fail_on_recompile"):
+        tokens, steps = decode(llm, prompts, switch_to=full)
+    assert engine.runner is full and engine.switches == [0, SWITCH_AT_STEP]
+    assert graphs_made(full) == graphs  # the switch loaded what warm-up made; nothing compiled after it
+    assert tokens == eager_tokens
+    assert steps == eager_steps
+
+
+def test_a_first_start_answers_in_eager_while_full_compiles_in_the_background_then_switches(
+        tiny_checkpoint, tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))  # nothing compiled yet
+    path = tiny_checkpoint("predictive").path
+    options = dict(num_speculative_tokens=2, max_batch_size=2, max_seq_len=32, batch_buckets=(2,), prefill_buckets=(32,))
+    prompts = prompts_for((4, 9, 6), seed=5)
+    reference = decode(LLM(path, graph_mode="eager", **options), prompts)
+
+    llm = LLM(path, graph_mode="full", background_compile=True, show_progress=False, **options)
+    engine = llm.engine
+    assert engine.runner.mode == GraphMode.EAGER and engine.background is not None
+    assert engine.background.process is not None  # this engine started the child
+    first = decode(llm, prompts)  # served at once, in eager (the child is still importing torch)
+    assert first == reference
+    assert "compiling in the background" in engine.graph_mode_run()
+
+    assert engine.poll_background(wait=True, timeout=900) == "ready", engine.background and engine.background.failure()
+    assert engine.runner.mode == GraphMode.FULL and engine.background is None
+    assert engine.graph_mode_run() == f"eager, then full from step {engine.switches[0] + 1}"
+    with torch.compiler.set_stance("fail_on_recompile"):
+        assert decode(llm, prompts) == reference
+
+    later = LLM(path, graph_mode="full", background_compile=True, show_progress=False, **options)
+    assert later.engine.background is None and later.engine.runner.mode == GraphMode.FULL  # a warm start loads them
+    compiled, loaded = later.engine.runner.packages()
+    assert compiled == [] and len(loaded) == len(later.engine.warm_up_graphs())
+
+
+def test_a_failed_background_compile_warns_once_and_the_engine_keeps_serving_in_eager(
+        tiny_checkpoint, tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    path = tiny_checkpoint("predictive").path
+    options = dict(num_speculative_tokens=1, max_batch_size=2, max_seq_len=24, batch_buckets=(2,), prefill_buckets=(24,))
+    prompts = prompts_for((4, 7), seed=2)
+    reference = decode(LLM(path, graph_mode="eager", **options), prompts)
+    llm = LLM(path, graph_mode="full", background_compile=True, show_progress=False, warm_up=False, **options)
+    llm.engine.background_arguments["model"] = str(tmp_path / "gone")  # the child cannot load the model
+    llm.engine.warm_up(show_progress=False)
+    with caplog.at_level(logging.WARNING):
+        assert llm.engine.poll_background(wait=True, timeout=300) == "failed"
+        assert decode(llm, prompts) == reference
+        assert decode(llm, prompts) == reference
+    warnings = [record for record in caplog.records if record.levelno >= logging.WARNING]
+    assert len(warnings) == 1 and "compiling the full graphs failed" in warnings[0].getMessage()
+    assert "gone" in warnings[0].getMessage()  # the child's own error, from its log
+    assert llm.engine.runner.mode == GraphMode.EAGER and llm.engine.background is None
