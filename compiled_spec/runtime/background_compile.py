@@ -46,9 +46,10 @@ class BackgroundCompile:
                     stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                     env={**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache_dir()},
                 )
-            self.process.stdin.write(pickle.dumps(job))
-            self.process.stdin.close()
             self.pid = self.process.pid
+            self.pid_file.write_text(str(self.pid))  # now, not once the child has imported torch: a process
+            self.process.stdin.write(pickle.dumps(job))  # starting meanwhile follows this child
+            self.process.stdin.close()
         self.bar = tqdm(total=len(paths), initial=self.ready_count(), unit="graph", disable=not show_progress,
                         desc="compiling full graphs in the background (decoding in eager meanwhile)")
         if show_progress:

@@ -11,8 +11,7 @@ from pathlib import Path
 
 def main() -> int:
     job = pickle.load(sys.stdin.buffer)
-    pid_file = Path(job["pid_file"])
-    pid_file.write_text(str(os.getpid()))
+    pid_file = Path(job["pid_file"])  # the parent wrote this process's pid into it
     try:
         os.nice(10)  # the engine that started this one decodes meanwhile
         import torch
