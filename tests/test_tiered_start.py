@@ -79,12 +79,15 @@ def test_a_first_start_answers_in_eager_while_full_compiles_in_the_background_th
     first = decode(llm, prompts)  # served at once, in eager (the child is still importing torch)
     assert first == reference
     assert "compiling in the background" in engine.graph_mode_run()
+    follower = LLM(path, graph_mode="full", background_compile=True, show_progress=False, **options).engine
+    assert follower.background.process is None and follower.background.pid == engine.background.pid  # no second child
 
     assert engine.poll_background(wait=True, timeout=900) == "ready", engine.background and engine.background.failure()
     assert engine.runner.mode == GraphMode.FULL and engine.background is None
     assert engine.graph_mode_run() == f"eager, then full from step {engine.switches[0] + 1}"
     with torch.compiler.set_stance("fail_on_recompile"):
         assert decode(llm, prompts) == reference
+    assert follower.poll_background(wait=True, timeout=60) == "ready" and follower.runner.mode == GraphMode.FULL
 
     later = LLM(path, graph_mode="full", background_compile=True, show_progress=False, **options)
     assert later.engine.background is None and later.engine.runner.mode == GraphMode.FULL  # a warm start loads them

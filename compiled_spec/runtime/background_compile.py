@@ -25,8 +25,8 @@ Graph = tuple[str, int, "int | None"]  # (kind, size, k) as Engine.warm_up_graph
 
 
 class BackgroundCompile:
-    """Compiles `graphs` (whose packages are `paths`) in a child process, or follows the child another process
-    started for the same packages."""
+    """Compiles `graphs` (whose packages are `paths`; the child skips those that exist) in a child process, or
+    follows the child another process started for the same packages."""
 
     def __init__(self, llm_arguments: dict, graphs: list[Graph], paths: list[Path], show_progress: bool):
         self.graphs, self.paths = graphs, paths

@@ -121,9 +121,9 @@ class Engine:
             raise RuntimeError("warm_up() must run before requests are admitted")
         start = time.perf_counter()
         if self.config.graph_mode != GraphMode.EAGER:
-            missing = [graph for graph in self.warm_up_graphs() if not self._package_exists(graph)]
-            if missing and self.background_arguments is not None:
-                self._start_in_eager(missing, show_progress)
+            graphs = self.warm_up_graphs()
+            if self.background_arguments is not None and not all(self._package_exists(g) for g in graphs):
+                self._start_in_eager(graphs, show_progress)
             else:
                 self._compile_graphs(show_progress)
         if self.chooser:
@@ -153,12 +153,14 @@ class Engine:
             function(*self.runner.bound, *args)
         self.state.done[0] = True  # a prefill over slot 0 marked it live
 
-    def _start_in_eager(self, missing: list, show_progress: bool) -> None:
+    def _start_in_eager(self, graphs: list, show_progress: bool) -> None:
+        """graphs: all of them (the child skips those whose package exists), so that every process that starts
+        while some are still missing names the same compile and follows it."""
         self._full_runner = self.runner
         self.runner = StepRunner(self.model, self.state, self.constants, GraphMode.EAGER,
                                  draft_lengths=self.runner.draft_lengths)
-        paths = [self._full_runner.package_path(*graph) for graph in missing]
-        self.background = BackgroundCompile(self.background_arguments, missing, paths, show_progress)
+        paths = [self._full_runner.package_path(*graph) for graph in graphs]
+        self.background = BackgroundCompile(self.background_arguments, graphs, paths, show_progress)
         self._show_progress = show_progress
         # Decode on one thread meanwhile: a kernel's threads wait at a barrier for the one the compile displaced
         # (on 2 cores eager made 3.7 tokens/s on two threads, 106.5 on one). The packages use the count they had.
