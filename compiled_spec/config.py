@@ -35,7 +35,13 @@ class GraphMode(str, enum.Enum):
     def default_for(cls, device: str) -> "GraphMode":
         """full, on CPU and CUDA; the environment variable COMPILED_SPEC_GRAPH_MODE names another default. (On CPU
         the LLM starts tiered: it decodes in eager while full's packages compile in the background.)"""
-        return cls.parse(os.environ.get(GRAPH_MODE_VARIABLE, cls.FULL.value))
+        value = os.environ.get(GRAPH_MODE_VARIABLE, cls.FULL.value)
+        try:
+            return cls(value)
+        except ValueError:
+            allowed = ", ".join(m.value for m in cls)
+            raise CompiledSpecError(f"{GRAPH_MODE_VARIABLE}={value!r} is not a graph mode; choose one of: {allowed}"
+                                    ) from None
 
     @classmethod
     def parse(cls, value: "str | GraphMode") -> "GraphMode":

@@ -122,6 +122,8 @@ class EngineLoop:
             self._admit_waiting()
             if self.engine.slots:
                 self._step()
+            else:  # idle: a tiered start still switches once its background compile is done
+                self.engine.poll_background()
             self.metrics.running.set(len(self.engine.slots))
             self.metrics.waiting.set(self._queued)
         for pending in [*self._waiting, *self._running.values()]:
@@ -129,7 +131,12 @@ class EngineLoop:
 
     def _handle_inbox(self, block: bool) -> bool:
         """Takes every message waiting (blocking for the first when idle); False on stop."""
-        messages = [self._inbox.get()] if block else []
+        messages = []
+        if block:  # while a background compile runs, wake up now and then to switch when it is done
+            try:
+                messages.append(self._inbox.get(timeout=1.0 if self.engine.background is not None else None))
+            except queue.Empty:
+                pass
         while True:
             try:
                 messages.append(self._inbox.get_nowait())
