@@ -35,21 +35,17 @@ class GraphMode(str, enum.Enum):
     def default_for(cls, device: str) -> "GraphMode":
         """full, on CPU and CUDA; the environment variable COMPILED_SPEC_GRAPH_MODE names another default. (On CPU
         the LLM starts tiered: it decodes in eager while full's packages compile in the background.)"""
-        value = os.environ.get(GRAPH_MODE_VARIABLE, cls.FULL.value)
-        try:
-            return cls(value)
-        except ValueError:
-            allowed = ", ".join(m.value for m in cls)
-            raise CompiledSpecError(f"{GRAPH_MODE_VARIABLE}={value!r} is not a graph mode; choose one of: {allowed}"
-                                    ) from None
+        return cls.parse(os.environ.get(GRAPH_MODE_VARIABLE, cls.FULL.value), source=GRAPH_MODE_VARIABLE)
 
     @classmethod
-    def parse(cls, value: "str | GraphMode") -> "GraphMode":
+    def parse(cls, value: "str | GraphMode", source: str | None = None) -> "GraphMode":
+        """source: where the value came from (an environment variable), named in the error."""
         try:
             return cls(value)
         except ValueError:
             allowed = ", ".join(m.value for m in cls)
-            raise CompiledSpecError(f"unknown graph mode {value!r}; choose one of: {allowed}") from None
+            what = f"{source}={value!r} is not a graph mode" if source else f"unknown graph mode {value!r}"
+            raise CompiledSpecError(f"{what}; choose one of: {allowed}") from None
 
 
 @dataclass(slots=True)

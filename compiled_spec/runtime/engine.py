@@ -122,8 +122,9 @@ class Engine:
         start = time.perf_counter()
         if self.config.graph_mode != GraphMode.EAGER:
             graphs = self.warm_up_graphs()
-            if self.background_arguments is not None and not all(self._package_exists(g) for g in graphs):
-                self._start_in_eager(graphs, show_progress)
+            paths = [self.runner.package_path(*graph) for graph in graphs]  # None where nothing is packaged
+            if self.background_arguments is not None and not all(path and path.exists() for path in paths):
+                self._start_in_eager(graphs, paths, show_progress)
             else:
                 self._compile_graphs(show_progress)
         if self.chooser:
@@ -131,10 +132,6 @@ class Engine:
             if self.calibration_prompt:
                 self._calibrate(self.calibration_prompt)
         self.warmup_seconds = time.perf_counter() - start
-
-    def _package_exists(self, graph) -> bool:
-        path = self.runner.package_path(*graph)
-        return path is not None and path.exists()
 
     def _compile_graphs(self, show_progress: bool) -> None:
         bar = tqdm(self.warm_up_graphs(), desc="compiling buckets", unit="graph", disable=not show_progress)
@@ -153,13 +150,12 @@ class Engine:
             function(*self.runner.bound, *args)
         self.state.done[0] = True  # a prefill over slot 0 marked it live
 
-    def _start_in_eager(self, graphs: list, show_progress: bool) -> None:
-        """graphs: all of them (the child skips those whose package exists), so that every process that starts
-        while some are still missing names the same compile and follows it."""
+    def _start_in_eager(self, graphs: list, paths: list, show_progress: bool) -> None:
+        """graphs (and their package paths): all of them (the child skips those whose package exists), so that every
+        process that starts while some are still missing names the same compile and follows it."""
         self._full_runner = self.runner
         self.runner = StepRunner(self.model, self.state, self.constants, GraphMode.EAGER,
                                  draft_lengths=self.runner.draft_lengths)
-        paths = [self._full_runner.package_path(*graph) for graph in graphs]
         self.background = BackgroundCompile(self.background_arguments, graphs, paths, show_progress)
         self._show_progress = show_progress
         # Decode on one thread meanwhile: a kernel's threads wait at a barrier for the one the compile displaced
