@@ -13,7 +13,7 @@ from compiled_spec.registry import SHIPPED_MTP_ROOT
 MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
 # Code nobody trained the modules on (not from the standard library).
 CODE = 'def binary_search(items, target):\n    """Return the index of target in the sorted list items, or -1."""\n'
-CODE_POSITION_1_FLOOR = 0.3  # measured 0.43 (13 of 30 steps); modules with random weights get 0
+CODE_POSITION_1_FLOOR = 0.3  # measured 0.43 with the first modules; modules with random weights get 0
 
 
 @pytest.fixture(scope="module")

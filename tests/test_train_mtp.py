@@ -72,3 +72,41 @@ def test_train_mtp_learns_the_base_models_predictions_resumes_and_attaches(tmp_p
     outputs = drafting.generate(prompts, params)
     assert [o.token_ids for o in outputs] == want
     assert sum(o.stats.accepted for o in outputs) > 0
+
+
+def test_a_grown_corpus_computes_only_what_is_new(tmp_path):
+    """More chat prompts generate only the new answers; more windows run the base model only on the new ones, and
+    the result equals a cache made from scratch. A cache made with another base file is not reused."""
+    import torch
+
+    from compiled_spec.tokenizer import load_tokenizer
+    from compiled_spec.training.mtp_corpus import chat_prompts
+    from compiled_spec.training.train_mtp import chat_texts, load_base, teacher_outputs, token_windows
+
+    base_dir = write_chat_model(tmp_path / "base")
+    llm = LLM(base_dir, num_speculative_tokens=0, **ENGINE)
+    asked = []
+    generate = llm.generate
+    llm.generate = lambda prompts, params: asked.extend(prompts) or generate(prompts, params)
+    prompts = chat_prompts(held_out=False)[:5]
+    cache = tmp_path / "chat.json"
+    first = chat_texts(llm, prompts[:3], 8, cache, batch_size=2)
+    assert len(asked) == 3
+    grown = chat_texts(llm, prompts, 8, cache, batch_size=2)
+    assert len(asked) == 5 and grown[:3] == first
+    assert all(prompt in text for prompt, text in zip(prompts, grown))
+
+    base, _ = load_base(base_dir)
+    windows = token_windows(load_tokenizer(base_dir), grown * 4, 32)
+    assert len(windows) >= 6
+    counted = []  # windows the base model ran on
+    base.model.embed_tokens.register_forward_hook(lambda module, args, out: counted.append(args[0].shape[0]))
+    teacher_outputs(base, windows[:2], tmp_path / "teacher.pt", "teacher", "key")
+    assert sum(counted) == 2
+    out = teacher_outputs(base, windows, tmp_path / "teacher.pt", "teacher", "key")
+    assert sum(counted) == len(windows)  # only the new windows ran
+    fresh = teacher_outputs(base, windows, tmp_path / "fresh.pt", "teacher", "key")
+    assert torch.equal(out["ids"], windows) and torch.equal(out["greedy"], fresh["greedy"])
+    torch.testing.assert_close(out["hidden"], fresh["hidden"], rtol=1e-5, atol=1e-5)
+    teacher_outputs(base, windows, tmp_path / "teacher.pt", "teacher", "another base")
+    assert sum(counted) == 3 * len(windows)  # from scratch, then all again for another base

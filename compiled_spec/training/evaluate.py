@@ -95,7 +95,8 @@ def main() -> None:
     torch.manual_seed(0)
 
     config = json.loads(args.config.read_text())
-    llm = LLM(args.model, num_speculative_tokens=0, max_seq_len=args.window_length + 1, show_progress=False)
+    llm = LLM(args.model, num_speculative_tokens=0, graph_mode="eager", max_seq_len=args.window_length + 1,
+              show_progress=False)
     ids = held_out_ids(llm.tokenizer, config)
     results = {"model": str(args.model), "held_out": config["corpus"]["validation_works"]}
     results.update(teacher_forced_metrics(llm, evenly_spaced_windows(ids, args.windows, args.window_length)))

@@ -64,19 +64,22 @@ def main() -> None:
     parser.add_argument("--draft-vocab", default=None, help="comma-separated sizes (default: the trained size)")
     parser.add_argument("--prompts", type=int, default=8, help="held-out prompts per domain")
     parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--graph-mode", default="eager",
+                        help="acceptance is the same in every mode; eager starts at once (full compiles first)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     config = json.loads((args.mtp / MTP_CONFIG_NAME).read_text())
     model = args.model or config["model"]
     sizes = [int(s) for s in args.draft_vocab.split(",")] if args.draft_vocab else [None]
-    plain = LLM(model, num_speculative_tokens=0, max_batch_size=8, max_seq_len=768, show_progress=False)
+    plain = LLM(model, num_speculative_tokens=0, graph_mode=args.graph_mode, max_batch_size=8, max_seq_len=768,
+                show_progress=False)
     prompts = held_out_prompts(config, plain.tokenizer, args.prompts)
     reference = {domain: acceptance(plain, texts, args.max_tokens)["token_ids"] for domain, texts in prompts.items()}
     results = {"model": str(model), "mtp": str(args.mtp), "k": args.k, "max_tokens": args.max_tokens,
                "prompts_per_domain": args.prompts, "greedy": True, "by_draft_vocab_size": {}}
     for size in sizes:
-        llm = LLM(model, mtp=args.mtp, num_speculative_tokens=args.k, draft_vocab_size=size, max_batch_size=8,
-                  max_seq_len=768, show_progress=False)
+        llm = LLM(model, mtp=args.mtp, num_speculative_tokens=args.k, draft_vocab_size=size,
+                  graph_mode=args.graph_mode, max_batch_size=8, max_seq_len=768, show_progress=False)
         label = str(size or config["draft_vocab_size"])
         rows = {}
         for domain, texts in prompts.items():

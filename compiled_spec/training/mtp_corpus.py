@@ -31,6 +31,18 @@ CHAT_TOPICS = (
     "the Roman empire", "electric cars", "regular expressions", "meditation", "the stock market",
     "hash tables", "composting", "the printing press", "running a marathon", "unit testing",
 )
+# Training prompts only, after the ones above, so a corpus with more chat prompts keeps the earlier ones (and their
+# cached answers). The held-out prompts use CHAT_TEMPLATES alone, so they stay the same as the corpus grows.
+MORE_CHAT_TEMPLATES = (
+    "Summarize the main ideas of {topic}.",
+    "What should I know before I start with {topic}?",
+    "Compare two different approaches to {topic}.",
+    "Answer briefly: why does {topic} matter?",
+    "Write a short story that involves {topic}.",
+    "List five facts about {topic}.",
+    "How would you teach {topic} to a child?",
+    "Write a Python class that models {topic}, with docstrings.",
+)
 HELD_OUT_CHAT_TOPICS = (
     "the moon landing", "making tea", "linked lists", "the immune system", "budget travel", "earthquakes",
     "chess openings", "version control with git",
@@ -80,8 +92,10 @@ def prose_texts(work_dir: Path, held_out_works: list[str], max_chars: int) -> tu
 
 
 def chat_prompts(held_out: bool) -> list[str]:
-    topics = HELD_OUT_CHAT_TOPICS if held_out else CHAT_TOPICS
-    return [template.format(topic=topic) for topic in topics for template in CHAT_TEMPLATES]
+    if held_out:
+        return [template.format(topic=topic) for topic in HELD_OUT_CHAT_TOPICS for template in CHAT_TEMPLATES]
+    return [template.format(topic=topic) for templates in (CHAT_TEMPLATES, MORE_CHAT_TEMPLATES)
+            for topic in CHAT_TOPICS for template in templates]
 
 
 def _limit(texts: list[str], max_chars: int) -> list[str]:

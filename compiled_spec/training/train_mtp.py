@@ -60,23 +60,25 @@ def load_base(path: Path):
     return base.eval().requires_grad_(False), config
 
 
-def chat_texts(llm, prompts: list[str], max_tokens: int, cache_file: Path) -> list[str]:
-    """Each prompt in the chat template followed by the base model's own greedy answer (cached in cache_file)."""
+def chat_texts(llm, prompts: list[str], max_tokens: int, cache_file: Path, batch_size: int = 8) -> list[str]:
+    """Each prompt in the chat template followed by the base model's own greedy answer. Answers are cached per
+    prompt in cache_file, so a corpus with more prompts only generates the new ones."""
     from ..api import SamplingParams
     from ..chat import chat_prompt
 
+    answers = {}
     if cache_file.is_file():
         cached = json.loads(cache_file.read_text())
-        if cached["prompts"] == prompts and cached["max_tokens"] == max_tokens:
-            return cached["texts"]
-    templated = [chat_prompt(llm.tokenizer, [{"role": "user", "content": p}]) for p in prompts]
-    texts = []
-    for start in tqdm(range(0, len(templated), 8), desc="base model answers chat prompts", unit="batch"):
-        chunk = templated[start : start + 8]
-        outputs = llm.generate(chunk, SamplingParams(max_tokens=max_tokens))
-        texts += [prompt + output.text for prompt, output in zip(chunk, outputs)]
-    cache_file.write_text(json.dumps({"prompts": prompts, "max_tokens": max_tokens, "texts": texts}))
-    return texts
+        if cached["max_tokens"] == max_tokens:
+            answers = cached.get("answers") or dict(zip(cached["prompts"], cached["texts"]))
+    templated = {p: chat_prompt(llm.tokenizer, [{"role": "user", "content": p}]) for p in prompts}
+    missing = [p for p in prompts if p not in answers]
+    for start in tqdm(range(0, len(missing), batch_size), desc="base model answers chat prompts", unit="batch"):
+        chunk = missing[start : start + batch_size]
+        outputs = llm.generate([templated[p] for p in chunk], SamplingParams(max_tokens=max_tokens))
+        answers.update({p: templated[p] + output.text for p, output in zip(chunk, outputs)})
+        cache_file.write_text(json.dumps({"max_tokens": max_tokens, "answers": answers}))
+    return [answers[p] for p in prompts]
 
 
 def domain_texts(config: dict, base_path: Path, work_dir: Path) -> dict[str, tuple[list[str], list[str]]]:
@@ -91,12 +93,14 @@ def domain_texts(config: dict, base_path: Path, work_dir: Path) -> dict[str, tup
         elif domain == "chat":
             from ..api import LLM
 
-            llm = LLM(base_path, num_speculative_tokens=0, graph_mode="eager", max_batch_size=8,
+            batch_size = corpus.get("chat_batch_size", 8)
+            llm = LLM(base_path, num_speculative_tokens=0, graph_mode="eager", max_batch_size=batch_size,
                       max_seq_len=corpus["chat_max_tokens"] + 128, show_progress=False)
             train_prompts = chat_prompts(held_out=False)[: corpus["chat_prompts"]]
             held_out_prompts = chat_prompts(held_out=True)[: corpus["chat_held_out_prompts"]]
-            out[domain] = (chat_texts(llm, train_prompts, corpus["chat_max_tokens"], work_dir / "chat_train.json"),
-                           chat_texts(llm, held_out_prompts, corpus["chat_max_tokens"], work_dir / "chat_held_out.json"))
+            out[domain] = tuple(chat_texts(llm, prompts, corpus["chat_max_tokens"], work_dir / name, batch_size)
+                                for prompts, name in ((train_prompts, "chat_train.json"),
+                                                      (held_out_prompts, "chat_held_out.json")))
         else:
             raise ValueError(f"unknown corpus domain {domain!r}; choose from {', '.join(DOMAINS)}")
     return out
@@ -115,18 +119,23 @@ def token_windows(tokenizer, texts: list[str], length: int) -> torch.Tensor:
 def teacher_outputs(base, windows: torch.Tensor, cache_file: Path, description: str,
                     base_key: str) -> dict[str, torch.Tensor]:
     """The base model on each window: post-norm hidden states [N, T, H] and greedy predictions [N, T].
-    base_key names the base model's file, so a cache made with another base is never reused."""
+    base_key names the base model's file, so a cache made with another base is never reused. A cache whose windows
+    are the first of these (the corpus grew) is kept, and only the new windows are computed."""
+    done = {"hidden": [], "greedy": []}
     if cache_file.is_file():
         cached = torch.load(cache_file)
-        if cached.get("base") == base_key and torch.equal(cached["ids"], windows):
-            return cached
-    hidden, greedy = [], []
+        known = len(cached["ids"])
+        if cached.get("base") == base_key and known <= len(windows) and torch.equal(cached["ids"], windows[:known]):
+            if known == len(windows):
+                return cached
+            done = {"hidden": [cached["hidden"]], "greedy": [cached["greedy"]]}
     head = base.get_output_embeddings().weight
-    for chunk in tqdm(windows.split(4), desc=description, unit="x4 windows"):
+    start = sum(len(part) for part in done["greedy"])
+    for chunk in tqdm(windows[start:].split(4), desc=description, unit="x4 windows"):
         states = base.model(input_ids=chunk).last_hidden_state
-        hidden.append(states)
-        greedy.append((states @ head.t()).argmax(-1))
-    out = {"ids": windows, "hidden": torch.cat(hidden), "greedy": torch.cat(greedy), "base": base_key}
+        done["hidden"].append(states)
+        done["greedy"].append((states @ head.t()).argmax(-1))
+    out = {"ids": windows, "hidden": torch.cat(done["hidden"]), "greedy": torch.cat(done["greedy"]), "base": base_key}
     temporary = cache_file.with_suffix(".tmp")
     torch.save(out, temporary)
     os.replace(temporary, cache_file)
