@@ -488,9 +488,12 @@ DEFAULT_ANCHORS = ("hf-eager", "hf-static", "hf-mtp")
                    "Default: 8 built-in prompts.")
 @click.option("--max-seq-len", "max_seq_len", type=click.IntRange(2), default=None,
               help="Default: the longest prompt plus --max-tokens and one step, rounded up to 16.")
-@click.option("--buckets", type=click.Choice(["minimal", "default"]), default="minimal", show_default=True,
-              help="minimal: compile one batch bucket (the cell's size) and one prefill bucket; "
-                   "default: the engine's own buckets (slower warm-up).")
+@click.option("--buckets", type=click.Choice(["minimal", "workload", "default"]), default="minimal",
+              show_default=True,
+              help="minimal: compile one batch bucket (the cell's size) and one prefill bucket, max_seq_len, "
+                   "so every prompt is padded to it; workload: the cell's batch size and the default prefill "
+                   "buckets the prompts fall in (each prompt padded as a default engine pads it); "
+                   "default: the engine's own buckets (slowest warm-up).")
 @click.option("--repeats", type=click.IntRange(1), default=1, show_default=True,
               help="Timed runs per cell; the fastest counts.")
 @click.option("--threads", type=click.IntRange(0), default=0, show_default=True,

@@ -17,6 +17,25 @@ def percentile(values: list[float], fraction: float) -> float:
     return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
 
 
+def cell_buckets(choice: str, mode: str, batch: int, prompt_ids: list, max_seq_len: int) -> tuple:
+    """(batch_buckets, prefill_buckets) of a cell; None: the engine's own.
+
+    minimal: the cell's batch size and one prefill bucket, max_seq_len (every prompt is padded to it);
+    workload: the cell's batch size and those of the engine's default prefill buckets (for this graph mode, on CPU)
+    that the prompts fall in, so each prompt is padded, or prefilled in eager past the largest, exactly as a default
+    engine does it, without compiling buckets no prompt uses.
+    """
+    from compiled_spec.runtime.buckets import CPU_COMPILED_PREFILL_LIMIT, default_prefill_buckets, pick_bucket
+
+    if choice == "default":
+        return None, None
+    if choice == "minimal":
+        return (batch,), (max_seq_len,)
+    ladder = default_prefill_buckets(max_seq_len, None if mode == "eager" else CPU_COMPILED_PREFILL_LIMIT)
+    used = {pick_bucket(ladder, len(ids)) for ids in prompt_ids if len(ids) <= ladder[-1]}
+    return (batch,), tuple(sorted(used or {ladder[0]}))
+
+
 def fixed_k_in_the_same_process(llm, prompt_ids: list, params, repeats: int) -> dict:
     """k = auto against each k it chooses from, forced, on the same engine and graphs in this process (tokens/s
     of separate processes differ by more than the chooser's margins on this kind of machine); runs interleaved,
@@ -56,7 +75,7 @@ def measure_engine(spec: dict) -> dict:
 
     mode, k, batch = spec["graph_mode"], spec["num_speculative_tokens"], spec["batch_size"]
     prompt_ids, max_seq_len = spec["prompt_ids"], spec["max_seq_len"]
-    minimal = spec["buckets"] == "minimal"
+    batch_buckets, prefill_buckets = cell_buckets(spec["buckets"], mode, batch, prompt_ids, max_seq_len)
     start = time.perf_counter()
     llm = LLM(
         spec["model"],
@@ -64,8 +83,8 @@ def measure_engine(spec: dict) -> dict:
         graph_mode=mode,
         max_batch_size=batch,
         max_seq_len=max_seq_len,
-        batch_buckets=(batch,) if minimal else None,
-        prefill_buckets=(max_seq_len,) if minimal else None,
+        batch_buckets=batch_buckets,
+        prefill_buckets=prefill_buckets,
         show_progress=False,
         hisparse=HiSparseConfig(**spec["hisparse"]) if spec.get("hisparse") else None,
         draft_vocab_size=spec.get("draft_vocab_size"),

@@ -40,7 +40,7 @@ class SweepOptions:
     max_tokens: int = 128
     prompts: list | None = None  # None: the default prompts (workload.py)
     max_seq_len: int | None = None  # None: room for the longest prompt plus max_tokens
-    buckets: str = "minimal"  # minimal: one batch bucket (the cell's size) and one prefill bucket; default: the engine's
+    buckets: str = "minimal"  # minimal, workload or default: engine_cell.cell_buckets
     repeats: int = 1
     threads: int = 0  # 0: torch's default
     cache_dir: Path | None = None  # TORCHINDUCTOR_CACHE_DIR of every cell; None: a fresh one for this sweep

@@ -14,7 +14,8 @@ from benchmarks.anchors import ANCHORS, DEFAULT_ANCHORS
 def sweep(tiny_checkpoint, tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
     args = ["bench", "--model", str(tiny_checkpoint("predictive").path), "--graph-modes", "eager", "-k", "2",
-            "--batch-sizes", "1,2", "--anchors", "hf-mtp", "--max-tokens", "12", "--threads", "1", "--out", str(out)]
+            "--batch-sizes", "1,2", "--anchors", "hf-mtp", "--max-tokens", "12", "--threads", "1", "--buckets", "workload",
+            "--out", str(out)]
     result = CliRunner().invoke(cli.main, args, prog_name="compiled-spec")
     return result, out
 
@@ -53,6 +54,25 @@ def test_bench_writes_json_markdown_and_plots(sweep):
     assert table in result.output
     for name in ("tokens_per_s.png", "acceptance.png"):
         assert (out / name).read_bytes().startswith(b"\x89PNG")
+
+
+def test_workload_buckets_pad_each_prompt_as_the_default_engine_does(sweep):
+    from compiled_spec.runtime.buckets import default_prefill_buckets
+
+    from benchmarks.engine_cell import cell_buckets
+
+    prompts = [[1] * 5, [1] * 20, [1] * 17, [1] * 40, [1] * 90]
+    # eager compiles nothing, and its default buckets reach max_seq_len; on CPU the compiled modes' stop at 64
+    # and longer prompts prefill in eager (the 90-token one here).
+    assert cell_buckets("workload", "eager", 2, prompts, 100) == ((2,), (16, 32, 64, 100))
+    assert cell_buckets("workload", "full", 2, prompts, 100) == ((2,), (16, 32, 64))
+    assert cell_buckets("workload", "full", 1, [[1] * 90], 100) == ((1,), (16,))
+    assert cell_buckets("minimal", "full", 4, prompts, 100) == ((4,), (100,))
+    assert cell_buckets("default", "full", 4, prompts, 100) == (None, None)
+    _, out = sweep
+    for record in records(out, kind="engine"):
+        assert record["batch_buckets"] == [record["batch_size"]]
+        assert set(record["prefill_buckets"]) <= set(default_prefill_buckets(record["prefill_buckets"][-1]))
 
 
 def test_eager_cells_with_the_same_k_accept_the_same(sweep):

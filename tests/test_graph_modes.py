@@ -1,7 +1,8 @@
 """Acceptance parity and zero recompiles: compile, piecewise and full against eager on one workload.
 
 The workload has more requests than slots, of mixed prompt lengths, so requests are admitted while
-others decode and batches are padded to buckets. The MTP modules mimic the main model, so steps
+others decode and batches are padded to buckets. Prompts longer than the one prefill bucket (16) prefill in
+eager at their own length, in every mode, and the compiled steps continue from the state they leave. The MTP modules mimic the main model, so steps
 accept none, some and all of their drafts.
 """
 
@@ -15,7 +16,7 @@ from compiled_spec import LLM, SamplingParams
 from compiled_spec.runtime.graph_modes import graphs_made
 
 K = 2
-ENGINE = dict(num_speculative_tokens=K, max_batch_size=4, max_seq_len=64, batch_buckets=(2, 4), prefill_buckets=(64,))
+ENGINE = dict(num_speculative_tokens=K, max_batch_size=4, max_seq_len=64, batch_buckets=(2, 4), prefill_buckets=(16,))
 PROMPT_LENGTHS = [3, 17, 5, 9, 30, 1, 12, 7, 22, 4, 15, 2, 26, 8, 11, 6, 19, 13]
 
 
@@ -48,8 +49,10 @@ def compiled_result(request, workload):
     graphs_after_warm_up = graphs_made(llm.engine.runner)
     with torch.compiler.set_stance("fail_on_recompile"):
         result = run_workload(llm, prompts)
+        eager_prefills = llm.engine.eager_prefills
         again = run_workload(llm, prompts)
     return dict(
+        eager_prefills=eager_prefills,
         mode=request.param,
         llm=llm,
         result=result,
@@ -67,6 +70,8 @@ def test_acceptance_and_outputs_equal_eager(eager_result, compiled_result):
     assert {0, 1, K} <= set(accepted), sorted(set(accepted))
     assert tokens == eager_tokens
     assert steps == eager_steps
+    longer = sum(n > ENGINE["prefill_buckets"][-1] for n in PROMPT_LENGTHS)
+    assert compiled_result["eager_prefills"] == longer > 0
 
 
 def test_zero_recompiles_after_warm_up(compiled_result):

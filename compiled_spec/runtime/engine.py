@@ -25,7 +25,9 @@ from ..params import RequestOutput, SamplingParams, SpecStats
 from ..speculative.state import DecodeState, move_slot
 from ..speculative.step import StepConstants
 from .background_compile import BackgroundCompile
-from .buckets import checked_buckets, default_batch_buckets, default_prefill_buckets, pick_bucket
+from .buckets import (
+    CPU_COMPILED_PREFILL_LIMIT, checked_buckets, default_batch_buckets, default_prefill_buckets, pick_bucket,
+)
 from .draft_chooser import DraftLengthChooser
 from .graph_modes import StepRunner
 
@@ -81,8 +83,11 @@ class Engine:
         self.batch_buckets = checked_buckets(
             config.batch_buckets or default_batch_buckets(config.max_batch_size), config.max_batch_size, "batch_buckets"
         )
+        # A prompt longer than the largest prefill bucket prefills in eager at its own length (admit).
+        compiled_limit = CPU_COMPILED_PREFILL_LIMIT if device.type == "cpu" and config.graph_mode != GraphMode.EAGER else None
         self.prefill_buckets = checked_buckets(
-            config.prefill_buckets or default_prefill_buckets(config.max_seq_len), config.max_seq_len, "prefill_buckets"
+            config.prefill_buckets or default_prefill_buckets(config.max_seq_len, compiled_limit), config.max_seq_len,
+            "prefill_buckets", largest_below_limit=True,
         )
         self.runner = StepRunner(model, self.state, self.constants, config.graph_mode,
                                  draft_lengths=tuple(range(self.k)) if config.auto else ())
@@ -94,6 +99,7 @@ class Engine:
         self.background_arguments: dict | None = None  # the LLM's arguments: set, warm-up starts tiered (full, CPU)
         self.background: BackgroundCompile | None = None
         self.steps_run = 0
+        self.eager_prefills = 0  # prompts longer than every prefill bucket, prefilled in eager at their own length
         self.switches: list[int] = []  # steps_run at each switch_runner
         self._full_runner, self._next_poll, self._show_progress, self._threads = None, 0.0, False, 1
 
@@ -274,13 +280,14 @@ class Engine:
         state.generated[slot] = 0
         state.done[slot] = False
         length = len(request.prompt_ids)
-        width = pick_bucket(self.prefill_buckets, length)
+        bucketed = length <= self.prefill_buckets[-1]
+        width = pick_bucket(self.prefill_buckets, length) if bucketed else length
         device = state.seq_lens.device
         prompt = torch.zeros(1, width, dtype=torch.int64, device=device)
         prompt[0, :length] = torch.tensor(request.prompt_ids, dtype=torch.int64)
-        self.runner.prefill(
-            torch.tensor([slot], device=device), prompt, torch.tensor([length], device=device)
-        )
+        prefill = self.runner.prefill if bucketed else self.runner.prefill_eager
+        prefill(torch.tensor([slot], device=device), prompt, torch.tensor([length], device=device))
+        self.eager_prefills += not bucketed
         request.valid_drafts = self.k  # prefill drafts every slot
         self.slots.append(request)
         finished, _ = self._collect(slot + 1, on_tokens, first_slot=slot, record_stats=False)

@@ -98,6 +98,7 @@ class StepRunner:
         self.managers: dict[str, SpecPassManager] = {}
         self.bound = (model, graph_state, constants)
         self._step, self._prefill = step_function, prefill_function
+        self._eager_prefill = prefill_function
         self._steps_by_k: dict[int, object] = {k: step_function for k in draft_lengths}
         if mode == GraphMode.EAGER:
             return
@@ -180,6 +181,11 @@ class StepRunner:
     @torch.inference_mode()
     def prefill(self, slot: torch.Tensor, prompt_ids: torch.Tensor, prompt_len: torch.Tensor):
         return self._prefill(*self.bound, slot, prompt_ids, prompt_len)
+
+    @torch.inference_mode()
+    def prefill_eager(self, slot: torch.Tensor, prompt_ids: torch.Tensor, prompt_len: torch.Tensor):
+        """A prefill in eager whatever the mode (a prompt longer than every prefill bucket, at its own length)."""
+        return self._eager_prefill(*self.bound, slot, prompt_ids, prompt_len)
 
 
 def graphs_made(runner: StepRunner) -> int:
