@@ -1,9 +1,9 @@
 """Acceptance parity and zero recompiles: compile, piecewise and full against eager on one workload.
 
 The workload has more requests than slots, of mixed prompt lengths, so requests are admitted while
-others decode and batches are padded to buckets. Prompts longer than the one prefill bucket (16) prefill in
-eager at their own length, in every mode, and the compiled steps continue from the state they leave. The MTP modules mimic the main model, so steps
-accept none, some and all of their drafts.
+others decode and batches are padded to buckets. Prompts longer than the one prefill bucket (16) prefill
+in eager at their own length, in every mode, and the compiled steps continue from the state they leave.
+The MTP modules mimic the main model, so steps accept none, some and all of their drafts.
 """
 
 from __future__ import annotations

@@ -14,9 +14,14 @@ def default_batch_buckets(max_batch_size: int) -> tuple[int, ...]:
 
 # On CPU (graph modes other than eager) a prompt longer than this prefills in eager at its own length instead of in a
 # compiled bucket, so start-up compiles 3 prefill graphs instead of 6 at the default max_seq_len. Prefill that long
-# is GEMM-bound: on SmolLM2-135M eager at the exact length took 0.80-1.67x (about 1.2x) the time of `full` padded to
-# its power-of-two bucket; on the small default model about 2x (README "Prefill on CPU").
+# is GEMM-bound: on SmolLM2-135M eager at the exact length took 0.80-1.47x (about 1.15x) the time of `full` padded
+# to its power-of-two bucket. The small default model pays more (README "Prefill on CPU").
 CPU_COMPILED_PREFILL_LIMIT = 64
+
+
+def compiled_prefill_limit(device_type: str, eager: bool) -> int | None:
+    """The largest default prefill bucket an engine compiles on this device (None: up to max_seq_len)."""
+    return CPU_COMPILED_PREFILL_LIMIT if device_type == "cpu" and not eager else None
 
 
 def default_prefill_buckets(max_seq_len: int, compiled_limit: int | None = None) -> tuple[int, ...]:
@@ -26,9 +31,7 @@ def default_prefill_buckets(max_seq_len: int, compiled_limit: int | None = None)
         sizes.append(size)
         size *= 2
     sizes.append(max_seq_len)
-    if compiled_limit is not None:
-        sizes = [s for s in sizes if s <= compiled_limit] or [min(compiled_limit, max_seq_len)]
-    return tuple(sizes)
+    return tuple(s for s in sizes if compiled_limit is None or s <= compiled_limit)
 
 
 def checked_buckets(buckets, limit: int, name: str, largest_below_limit: bool = False) -> tuple[int, ...]:

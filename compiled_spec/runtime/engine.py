@@ -26,7 +26,7 @@ from ..speculative.state import DecodeState, move_slot
 from ..speculative.step import StepConstants
 from .background_compile import BackgroundCompile
 from .buckets import (
-    CPU_COMPILED_PREFILL_LIMIT, checked_buckets, default_batch_buckets, default_prefill_buckets, pick_bucket,
+    checked_buckets, compiled_prefill_limit, default_batch_buckets, default_prefill_buckets, pick_bucket,
 )
 from .draft_chooser import DraftLengthChooser
 from .graph_modes import StepRunner
@@ -84,7 +84,7 @@ class Engine:
             config.batch_buckets or default_batch_buckets(config.max_batch_size), config.max_batch_size, "batch_buckets"
         )
         # A prompt longer than the largest prefill bucket prefills in eager at its own length (admit).
-        compiled_limit = CPU_COMPILED_PREFILL_LIMIT if device.type == "cpu" and config.graph_mode != GraphMode.EAGER else None
+        compiled_limit = compiled_prefill_limit(device.type, config.graph_mode == GraphMode.EAGER)
         self.prefill_buckets = checked_buckets(
             config.prefill_buckets or default_prefill_buckets(config.max_seq_len, compiled_limit), config.max_seq_len,
             "prefill_buckets", largest_below_limit=True,
