@@ -112,6 +112,27 @@ def test_compiled_auto_switches_without_recompiling(prompts, plain_tokens, eager
     assert lane_counts(records) == lane_counts(eager_switching[1])
 
 
+def test_steps_that_draft_fewer_keep_every_depth_current(prompts):
+    """A step drafting 1 <= k < K still runs every draft depth over its window: after a schedule of k=1 and k=2
+    steps, each depth's KV rows over the verified tokens equal those of an engine that drafts K every step
+    (before, depth 2 left the rows of k=1 steps unwritten and later drafts attended over them)."""
+    path, texts = prompts
+    prompt = texts[4]
+    caches = []
+    for schedule in ([1, 1, 2, 1], [K]):
+        llm = LLM(path, graph_mode="eager", **ENGINE)
+        llm.engine.chooser = ScheduledChooser(schedule)
+        records = record_steps(llm)
+        output = llm.generate([prompt], GREEDY)[0]
+        assert {r.num_drafts for r in records[1:]} == set(schedule)
+        state = llm.engine.state
+        caches.append([torch.cat([keys[0], values[0]], -1) for keys, values in zip(state.draft_keys, state.draft_values)])
+    verified_rows = len(prompt) + GREEDY.max_tokens - 1 - K  # every depth's row i reads up to token i + K
+    for depth, (switching, fixed) in enumerate(zip(*caches), start=1):
+        torch.testing.assert_close(switching[:verified_rows], fixed[:verified_rows], rtol=1e-4, atol=1e-4,
+                                   msg=lambda m: f"depth {depth}: {m}")
+
+
 def test_auto_with_drafts_that_are_never_accepted_chooses_k0(tiny_checkpoint):
     """Random MTP modules: the calibration finds no draft accepted, so every request step costs what k=0 costs."""
     llm = LLM(tiny_checkpoint("llama").path, num_speculative_tokens="auto", max_seq_len=64, max_batch_size=2,
