@@ -381,9 +381,9 @@ def fetch(name, list_models):
               help="MTP modules to train, one per draft depth (deeper drafts reuse the last).  [default: 2]")
 @click.option("--corpus", "domains", default=None,
               callback=lambda ctx, param, text: name_list(DOMAINS)(ctx, param, text) if text else None,
-              help=f"Domains to train on, comma-separated, from {', '.join(DOMAINS)}: the Python standard library's "
-                   "source, the Shakespeare plays, the base model's own answers to chat prompts; each keeps a "
-                   "held-out part.  [default: all]")
+              help=f"Domains to train on, comma-separated, from {', '.join(DOMAINS)}: prompts from the Python "
+                   "standard library's source, the Shakespeare plays and chat questions, each continued by the base "
+                   "model itself; each keeps a held-out part.  [default: all]")
 @click.option("--draft-vocab", "draft_vocab_size", type=click.IntRange(1), default=None, metavar="N",
               help="Train the drafts over the N tokens the base model predicts most often.  [default: 16384]")
 @click.option("--max-steps", "max_steps", type=click.IntRange(1), default=None, help="Optimizer steps.")
@@ -398,8 +398,9 @@ def train_mtp(model, output_dir, num_modules, domains, draft_vocab_size, max_ste
     """Train MTP modules for a base model that has none, by self-distillation.
 
     The base model stays frozen; the modules learn to predict the base model's own greedy tokens
-    one and more positions ahead, which is what speculative decoding accepts. The base model's
-    hidden states over the corpus are computed once and cached in the work dir.
+    one and more positions ahead, which is what speculative decoding accepts. The base model
+    continues prompts from each domain greedily, so the training text reads as decoding reads it;
+    the continuations and its hidden states are made once and cached in the work dir.
 
     \b
     Examples:

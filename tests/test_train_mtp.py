@@ -17,9 +17,9 @@ ENGINE = dict(graph_mode="eager", max_seq_len=96, max_batch_size=4, show_progres
 def tiny_config(tmp_path, base) -> dict:
     config = load_config(None, {"model": str(base), "work_dir": str(tmp_path / "work"),
                                 "output_dir": str(tmp_path / "mtp"), "draft_vocab_size": 96})
-    config["corpus"].update(domains=["code", "chat"], code_chars=24000, chat_prompts=8, chat_held_out_prompts=4,
-                            chat_max_tokens=24, held_out_windows_per_domain=4)
-    config["training"].update(num_threads=1, sequence_length=64, batch_size=8, max_steps=40, warmup_steps=4,
+    config["corpus"].update(domains=["code", "chat"], code_chars=24000, prompts={"code": 24, "chat": 8},
+                            prompt_tokens=24, held_out_prompts=4, generate_batch_size=16)
+    config["training"].update(num_threads=1, sequence_length=128, batch_size=8, max_steps=40, warmup_steps=4,
                               learning_rate=3e-3, log_every=1, eval_every=20, eval_windows=4, checkpoint_every=10,
                               distill_fraction=0.5)
     return config
@@ -74,39 +74,48 @@ def test_train_mtp_learns_the_base_models_predictions_resumes_and_attaches(tmp_p
     assert sum(o.stats.accepted for o in outputs) > 0
 
 
-def test_a_grown_corpus_computes_only_what_is_new(tmp_path):
-    """More chat prompts generate only the new answers; more windows run the base model only on the new ones, and
-    the result equals a cache made from scratch. A cache made with another base file is not reused."""
+def test_self_generated_windows_read_as_decoding_reads_them_and_resume(tmp_path):
+    """Each window is a prompt and the base model's greedy continuation, with the hidden states a teacher-forced pass
+    gives, whatever the padding of its batch. A cache of the first prompts is kept: more prompts run the base
+    model only on the new ones, and the result equals a cache made from scratch. Another base key starts over."""
     import torch
 
     from compiled_spec.tokenizer import load_tokenizer
-    from compiled_spec.training.mtp_corpus import chat_prompts
-    from compiled_spec.training.train_mtp import chat_texts, load_base, teacher_outputs, token_windows
+    from compiled_spec.training.self_generated import continue_batch, self_generated_windows
+    from compiled_spec.training.train_mtp import load_base
 
     base_dir = write_chat_model(tmp_path / "base")
-    llm = LLM(base_dir, num_speculative_tokens=0, **ENGINE)
-    asked = []
-    generate = llm.generate
-    llm.generate = lambda prompts, params: asked.extend(prompts) or generate(prompts, params)
-    prompts = chat_prompts(held_out=False)[:5]
-    cache = tmp_path / "chat.json"
-    first = chat_texts(llm, prompts[:3], 8, cache, batch_size=2)
-    assert len(asked) == 3
-    grown = chat_texts(llm, prompts, 8, cache, batch_size=2)
-    assert len(asked) == 5 and grown[:3] == first
-    assert all(prompt in text for prompt, text in zip(prompts, grown))
-
     base, _ = load_base(base_dir)
-    windows = token_windows(load_tokenizer(base_dir), grown * 4, 32)
-    assert len(windows) >= 6
-    counted = []  # windows the base model ran on
-    base.model.embed_tokens.register_forward_hook(lambda module, args, out: counted.append(args[0].shape[0]))
-    teacher_outputs(base, windows[:2], tmp_path / "teacher.pt", "teacher", "key")
-    assert sum(counted) == 2
-    out = teacher_outputs(base, windows, tmp_path / "teacher.pt", "teacher", "key")
-    assert sum(counted) == len(windows)  # only the new windows ran
-    fresh = teacher_outputs(base, windows, tmp_path / "fresh.pt", "teacher", "key")
-    assert torch.equal(out["ids"], windows) and torch.equal(out["greedy"], fresh["greedy"])
-    torch.testing.assert_close(out["hidden"], fresh["hidden"], rtol=1e-5, atol=1e-5)
-    teacher_outputs(base, windows, tmp_path / "teacher.pt", "teacher", "another base")
-    assert sum(counted) == 3 * len(windows)  # from scratch, then all again for another base
+    tokenizer = load_tokenizer(base_dir)
+    texts = ["def fib(n):", "ROMEO: But soft, what light", "import os", "class Stack:\n    def push(self, item):", "x = 1"]
+    prompts = [tokenizer.encode(text, add_special_tokens=False) for text in texts]
+    assert len({len(p) for p in prompts}) > 2
+    length = 40
+
+    batch = continue_batch(base, prompts, length)
+    for row, prompt in enumerate(prompts):
+        assert batch["ids"][row, : len(prompt)].tolist() == prompt
+        # Past the prompt every token is the base model's greedy choice after the row before it.
+        assert torch.equal(batch["ids"][row, len(prompt):], batch["greedy"][row, len(prompt) - 1: -1])
+        alone = continue_batch(base, [prompt], length)
+        assert torch.equal(alone["ids"][0], batch["ids"][row]) and torch.equal(alone["greedy"][0], batch["greedy"][row])
+        teacher = base.model(input_ids=batch["ids"][row: row + 1]).last_hidden_state[0]
+        torch.testing.assert_close(batch["hidden"][row], teacher, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(alone["hidden"][0], teacher, rtol=1e-4, atol=1e-4)
+
+    counted = []  # prompts the base model prefilled
+    base.model.embed_tokens.register_forward_hook(
+        lambda module, args, out: counted.append(args[0].shape[0]) if args[0].shape[1] > 1 else None)
+    cache = tmp_path / "generated.pt"
+    self_generated_windows(base, prompts[:3], length, 2, cache, "first", "key")
+    assert sum(counted) == 3
+    grown = self_generated_windows(base, prompts, length, 2, cache, "grown", "key")
+    assert sum(counted) == 5  # only the two new prompts ran
+    fresh = self_generated_windows(base, prompts, length, 2, tmp_path / "fresh.pt", "fresh", "key")
+    assert torch.equal(grown["ids"], fresh["ids"]) and torch.equal(grown["greedy"], fresh["greedy"])
+    torch.testing.assert_close(grown["hidden"], fresh["hidden"], rtol=1e-5, atol=1e-5)
+    assert torch.equal(self_generated_windows(base, prompts[:2], length, 2, cache, "fewer", "key")["ids"],
+                       fresh["ids"][:2])
+    assert sum(counted) == 10
+    self_generated_windows(base, prompts, length, 2, cache, "another base", "another key")
+    assert sum(counted) == 15

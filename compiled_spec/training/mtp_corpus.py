@@ -7,6 +7,9 @@ on topics of their own.
 
 from __future__ import annotations
 
+import bisect
+import itertools
+import random
 import sysconfig
 import zlib
 from pathlib import Path
@@ -42,6 +45,21 @@ MORE_CHAT_TEMPLATES = (
     "List five facts about {topic}.",
     "How would you teach {topic} to a child?",
     "Write a Python class that models {topic}, with docstrings.",
+)
+# More training topics, after the ones above for the same reason.
+MORE_CHAT_TOPICS = (
+    "the periodic table", "gardening in small spaces", "the Renaissance", "machine learning", "first aid",
+    "the Great Wall of China", "personal budgeting", "black holes", "writing poetry", "the internet",
+    "the Olympic games", "dinosaurs", "renewable energy", "job interviews", "the human brain", "knitting",
+    "object-oriented programming", "the ancient Egyptians", "coffee brewing", "healthy breakfasts", "rainforests",
+    "learning the guitar", "databases", "the theory of evolution", "camping", "the industrial revolution",
+    "password security", "the ocean tides", "painting with watercolors", "vaccines", "the Silk Road",
+    "functional programming", "bird watching", "the metric system", "starting a small business",
+    "the greenhouse effect", "web browsers", "yoga", "the Cold War", "fractions", "pizza dough", "honey bees",
+    "operating systems", "the Amazon river", "negotiation", "magnetism", "cloud computing", "the violin",
+    "caring for a puppy", "the Byzantine empire", "spreadsheets", "earth's atmosphere", "cycling to work",
+    "sorting a list in Python", "the design of chairs", "probability", "mountain climbing",
+    "the Japanese tea ceremony", "graph algorithms", "recycling",
 )
 HELD_OUT_CHAT_TOPICS = (
     "the moon landing", "making tea", "linked lists", "the immune system", "budget travel", "earthquakes",
@@ -94,8 +112,31 @@ def prose_texts(work_dir: Path, held_out_works: list[str], max_chars: int) -> tu
 def chat_prompts(held_out: bool) -> list[str]:
     if held_out:
         return [template.format(topic=topic) for topic in HELD_OUT_CHAT_TOPICS for template in CHAT_TEMPLATES]
-    return [template.format(topic=topic) for templates in (CHAT_TEMPLATES, MORE_CHAT_TEMPLATES)
-            for topic in CHAT_TOPICS for template in templates]
+    return [template.format(topic=topic) for topics in (CHAT_TOPICS, MORE_CHAT_TOPICS)
+            for templates in (CHAT_TEMPLATES, MORE_CHAT_TEMPLATES) for topic in topics for template in templates]
+
+
+def line_prompts(texts: list[str], count: int, max_tokens: int, tokenizer, seed: int) -> list[list[int]]:
+    """`count` prompts of at most max_tokens tokens (at least half that), each ending at a line end of one of the
+    texts, at places drawn uniformly over all their characters. The first n of a larger count are the same n."""
+    rng = random.Random(seed)
+    starts = list(itertools.accumulate((len(text) for text in texts), initial=0))
+    total = starts.pop()
+    prompts, tries = [], 0
+    while len(prompts) < count:
+        tries += 1
+        if tries > 20 * count + 100:
+            raise ValueError(f"found only {len(prompts)} of {count} prompts of {max_tokens // 2}+ tokens in the texts")
+        offset = rng.randrange(total)
+        index = bisect.bisect_right(starts, offset) - 1
+        text = texts[index]
+        end = text.find("\n", offset - starts[index]) + 1
+        if end == 0:
+            continue
+        ids = tokenizer.encode(text[max(0, end - 8 * max_tokens):end], add_special_tokens=False)[-max_tokens:]
+        if len(ids) >= max_tokens // 2:
+            prompts.append(ids)
+    return prompts
 
 
 def _limit(texts: list[str], max_chars: int) -> list[str]:

@@ -1,9 +1,10 @@
 """Train DeepSeek-V3-style MTP modules for a base model that has none, by self-distillation.
 
-The base model stays frozen. Its post-norm hidden states and greedy predictions over the corpus are computed once
-and cached; module m at row i sees the base hidden (or module m-1's output) and the embedding of token i+m, and
-learns to predict what the base model itself predicts at row i+m. So the loss optimizes exactly what greedy
-verification accepts. The head is the base model's (frozen) LM head restricted to a frequency-ranked
+The base model stays frozen. It continues prompts from each domain greedily (self_generated.py), so the windows
+read as decoding reads them, and its post-norm hidden states and greedy predictions along the way are cached;
+module m at row i sees the base hidden (or module m-1's output) and the embedding of token i+m, and learns to
+predict what the base model itself predicts at row i+m. So the loss optimizes exactly what greedy verification
+accepts. The head is the base model's (frozen) LM head restricted to a frequency-ranked
 sub-vocabulary, the draft vocabulary the engine drafts over.
 
     compiled-spec train-mtp --model smollm2-135m --out DIR [--num-modules N] [--corpus code,prose,chat] [--resume]
@@ -24,14 +25,14 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
-from tqdm import tqdm
 
 from ..checkpoint import MTP_CONFIG_NAME, MTP_WEIGHTS_NAME, read_checkpoint
 from ..registry import resolve_model
 from ..tokenizer import load_tokenizer
 from . import loop
-from .mtp_corpus import DOMAINS, chat_prompts, code_texts, prose_texts
+from .mtp_corpus import DOMAINS, chat_prompts, code_texts, line_prompts, prose_texts
 from .mtp_reference import DECODER_CLASSES, export_mtp_state_dict, mtp_chain, mtp_layers
+from .self_generated import self_generated_windows
 
 DEFAULT_CONFIG = Path(__file__).parent / "train_mtp_config.json"
 IGNORE = -100
@@ -60,85 +61,36 @@ def load_base(path: Path):
     return base.eval().requires_grad_(False), config
 
 
-def chat_texts(llm, prompts: list[str], max_tokens: int, cache_file: Path, batch_size: int = 8) -> list[str]:
-    """Each prompt in the chat template followed by the base model's own greedy answer. Answers are cached per
-    prompt in cache_file, so a corpus with more prompts only generates the new ones."""
-    from ..api import SamplingParams
+def domain_prompts(config: dict, tokenizer, work_dir: Path) -> dict[str, tuple[list[list[int]], list[list[int]]]]:
+    """{domain: (train prompts, held-out prompts)} as token ids, for the domains the config names: lines of code
+    and of plays ending at a line end, and chat prompts in the model's chat template."""
     from ..chat import chat_prompt
 
-    answers = {}
-    if cache_file.is_file():
-        cached = json.loads(cache_file.read_text())
-        if cached["max_tokens"] == max_tokens:
-            answers = cached.get("answers") or dict(zip(cached["prompts"], cached["texts"]))
-    templated = {p: chat_prompt(llm.tokenizer, [{"role": "user", "content": p}]) for p in prompts}
-    missing = [p for p in prompts if p not in answers]
-    for start in tqdm(range(0, len(missing), batch_size), desc="base model answers chat prompts", unit="batch"):
-        chunk = missing[start : start + batch_size]
-        outputs = llm.generate([templated[p] for p in chunk], SamplingParams(max_tokens=max_tokens))
-        answers.update({p: templated[p] + output.text for p, output in zip(chunk, outputs)})
-        cache_file.write_text(json.dumps({"max_tokens": max_tokens, "answers": answers}))
-    return [answers[p] for p in prompts]
-
-
-def domain_texts(config: dict, base_path: Path, work_dir: Path) -> dict[str, tuple[list[str], list[str]]]:
-    """{domain: (train texts, held-out texts)} for the domains the config names."""
     corpus = config["corpus"]
+    counts, length = corpus["prompts"], corpus["prompt_tokens"]
+    held_out_count = corpus["held_out_prompts"]
     out = {}
     for domain in corpus["domains"]:
-        if domain == "code":
-            out[domain] = code_texts(corpus["code_chars"], corpus["code_held_out_percent"])
-        elif domain == "prose":
-            out[domain] = prose_texts(work_dir, corpus["prose_held_out_works"], corpus["prose_chars"])
+        if domain in ("code", "prose"):
+            if domain == "code":
+                train, held_out = code_texts(corpus["code_chars"], corpus["code_held_out_percent"])
+            else:
+                train, held_out = prose_texts(work_dir, corpus["prose_held_out_works"], corpus["prose_chars"])
+            out[domain] = (line_prompts(train, counts[domain], length, tokenizer, config["seed"]),
+                           line_prompts(held_out, held_out_count, length, tokenizer, config["seed"]))
         elif domain == "chat":
-            from ..api import LLM
+            def templated(questions):
+                return [tokenizer.encode(chat_prompt(tokenizer, [{"role": "user", "content": q}]),
+                                         add_special_tokens=False) for q in questions]
 
-            batch_size = corpus.get("chat_batch_size", 8)
-            llm = LLM(base_path, num_speculative_tokens=0, graph_mode="eager", max_batch_size=batch_size,
-                      max_seq_len=corpus["chat_max_tokens"] + 128, show_progress=False)
-            train_prompts = chat_prompts(held_out=False)[: corpus["chat_prompts"]]
-            held_out_prompts = chat_prompts(held_out=True)[: corpus["chat_held_out_prompts"]]
-            out[domain] = tuple(chat_texts(llm, prompts, corpus["chat_max_tokens"], work_dir / name, batch_size)
-                                for prompts, name in ((train_prompts, "chat_train.json"),
-                                                      (held_out_prompts, "chat_held_out.json")))
+            questions = chat_prompts(held_out=False)
+            if counts[domain] > len(questions):
+                raise ValueError(f"corpus.prompts.chat={counts[domain]} is more than the {len(questions)} chat "
+                                 "training prompts there are")
+            out[domain] = (templated(questions[: counts[domain]]),
+                           templated(chat_prompts(held_out=True)[:held_out_count]))
         else:
             raise ValueError(f"unknown corpus domain {domain!r}; choose from {', '.join(DOMAINS)}")
-    return out
-
-
-def token_windows(tokenizer, texts: list[str], length: int) -> torch.Tensor:
-    """The texts as one stream (EOS after each), cut into windows [N, length]."""
-    ids = []
-    for text in texts:
-        ids += tokenizer.encode(text, add_special_tokens=False) + [tokenizer.eos_token_id]
-    stream = torch.tensor(ids[: len(ids) // length * length], dtype=torch.long)
-    return stream.view(-1, length)
-
-
-@torch.no_grad()
-def teacher_outputs(base, windows: torch.Tensor, cache_file: Path, description: str,
-                    base_key: str) -> dict[str, torch.Tensor]:
-    """The base model on each window: post-norm hidden states [N, T, H] and greedy predictions [N, T].
-    base_key names the base model's file, so a cache made with another base is never reused. A cache whose windows
-    are the first of these (the corpus grew) is kept, and only the new windows are computed."""
-    done = {"hidden": [], "greedy": []}
-    if cache_file.is_file():
-        cached = torch.load(cache_file)
-        known = len(cached["ids"])
-        if cached.get("base") == base_key and known <= len(windows) and torch.equal(cached["ids"], windows[:known]):
-            if known == len(windows):
-                return cached
-            done = {"hidden": [cached["hidden"]], "greedy": [cached["greedy"]]}
-    head = base.get_output_embeddings().weight
-    start = sum(len(part) for part in done["greedy"])
-    for chunk in tqdm(windows[start:].split(4), desc=description, unit="x4 windows"):
-        states = base.model(input_ids=chunk).last_hidden_state
-        done["hidden"].append(states)
-        done["greedy"].append((states @ head.t()).argmax(-1))
-    out = {"ids": windows, "hidden": torch.cat(done["hidden"]), "greedy": torch.cat(done["greedy"]), "base": base_key}
-    temporary = cache_file.with_suffix(".tmp")
-    torch.save(out, temporary)
-    os.replace(temporary, cache_file)
     return out
 
 
@@ -251,14 +203,15 @@ def train_mtp(config: dict, resume: bool = False, measure_steps: int | None = No
     length = training["sequence_length"]
     stat = base_path.stat()
     base_key = f"{base_path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}"
+    batch_size = config["corpus"]["generate_batch_size"]
     train_parts, held_out = [], {}
-    for domain, (train_texts, held_out_texts) in domain_texts(config, base_path, work_dir).items():
-        train_parts.append(teacher_outputs(base, token_windows(tokenizer, train_texts, length),
-                                           work_dir / f"teacher_{domain}_train.pt", f"base model on {domain} (train)",
-                                           base_key))
-        windows = token_windows(tokenizer, held_out_texts, length)[: config["corpus"]["held_out_windows_per_domain"]]
-        held_out[domain] = teacher_outputs(base, windows, work_dir / f"teacher_{domain}_held_out.pt",
-                                           f"base model on {domain} (held out)", base_key)
+    for domain, (train_prompts, held_out_prompts) in domain_prompts(config, tokenizer, work_dir).items():
+        train_parts.append(self_generated_windows(base, train_prompts, length, batch_size,
+                                                  work_dir / f"generated_{domain}_train.pt",
+                                                  f"base model continues {domain} prompts (train)", base_key))
+        held_out[domain] = self_generated_windows(base, held_out_prompts, length, batch_size,
+                                                  work_dir / f"generated_{domain}_held_out.pt",
+                                                  f"base model continues {domain} prompts (held out)", base_key)
     train = {key: torch.cat([part[key] for part in train_parts]) for key in ("ids", "hidden", "greedy")}
     ranking = rank_vocabulary(train["greedy"], base_config.vocab_size)
     torch.manual_seed(config["seed"])  # module init does not depend on how the teacher cache was made
