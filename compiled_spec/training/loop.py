@@ -98,8 +98,13 @@ def save_checkpoint(path: Path, model, optimizer, step: int, generator: torch.Ge
         "python_rng": random.getstate(),
         "log": log,
     }
+    save_atomically(state, path)
+
+
+def save_atomically(obj, path: Path) -> None:
+    """torch.save through a temporary file, so a run stopped mid-write leaves the previous file whole."""
     temporary = path.with_suffix(".tmp")
-    torch.save(state, temporary)
+    torch.save(obj, temporary)
     os.replace(temporary, path)
 
 

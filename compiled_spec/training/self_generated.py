@@ -9,11 +9,12 @@ prediction. One pass makes all three, so no second teacher pass is needed.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
+
+from .loop import save_atomically
 
 
 @torch.no_grad()
@@ -70,23 +71,20 @@ def self_generated_windows(base, prompts: list[list[int]], length: int, batch_si
     if not 0 < longest < length:
         raise ValueError(f"{description}: prompts of up to {longest} tokens need windows longer than that; "
                          f"training.sequence_length is {length}")
-    done = {"ids": [], "hidden": [], "greedy": []}
+    done: dict[str, torch.Tensor] | None = None
     known: list[list[int]] = []
     if cache_file.is_file():
         cached = torch.load(cache_file)
         known = cached["prompts"][: len(prompts)]
         if (cached["base"], cached["length"]) == (base_key, length) and prompts[: len(known)] == known:
-            done = {key: [cached[key][: len(known)]] for key in done}
+            done = {key: cached[key][: len(known)] for key in ("ids", "hidden", "greedy")}
         else:
             known = []
     with tqdm(total=len(prompts), initial=len(known), desc=description, unit="prompt") as bar:
         for first in range(len(known), len(prompts), batch_size):
             part = continue_batch(base, prompts[first: first + batch_size], length)
-            done = {key: [torch.cat(done[key] + [part[key]])] for key in done}
+            done = part if done is None else {key: torch.cat([done[key], part[key]]) for key in done}
             known = prompts[: first + len(part["ids"])]
-            temporary = cache_file.with_suffix(".tmp")
-            torch.save({**{key: value[0] for key, value in done.items()}, "prompts": known, "length": length,
-                        "base": base_key}, temporary)
-            os.replace(temporary, cache_file)
+            save_atomically({**done, "prompts": known, "length": length, "base": base_key}, cache_file)
             bar.update(len(part["ids"]))
-    return {key: value[0] for key, value in done.items()}
+    return done
