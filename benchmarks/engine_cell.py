@@ -145,6 +145,7 @@ def measure_engine(spec: dict) -> dict:
         "packages_compiled": len(packages_compiled),
         "packages_loaded": len(packages_loaded),
         "package_bytes": engine.runner.package_bytes(),
+        "constants_bytes": engine.runner.constants_bytes(),  # the frozen weights the packages share, once
         "weight_bytes": sum(tensor.numel() * tensor.element_size() for tensor in llm.model.state_dict().values()),
         "batch_buckets": list(engine.batch_buckets),
         "prefill_buckets": list(engine.prefill_buckets),

@@ -8,12 +8,19 @@ The MTP modules mimic the main model, so steps accept none, some and all of thei
 
 from __future__ import annotations
 
+import shutil
+import zipfile
+from pathlib import Path
+
 import pytest
 import torch
 from torch._dynamo.utils import counters
+from torch._inductor.runtime.cache_dir_utils import cache_dir
 
 from compiled_spec import LLM, SamplingParams
+from compiled_spec.runtime import shared_constants
 from compiled_spec.runtime.graph_modes import graphs_made
+from compiled_spec.runtime.packaged import PACKAGE_FOLDER
 
 K = 2
 ENGINE = dict(num_speculative_tokens=K, max_batch_size=4, max_seq_len=64, batch_buckets=(2, 4), prefill_buckets=(16,))
@@ -107,3 +114,30 @@ def test_a_second_full_engine_on_cpu_loads_every_bucket_instead_of_compiling(wor
     assert again_compiled == [] and sorted(again_loaded) == sorted(compiled + loaded)
     with torch.compiler.set_stance("fail_on_recompile"):
         assert run_workload(llm, prompts) == compiled_result["result"]
+    # One copy of the frozen weights: the second engine's packages point at the very tensors the first's do.
+    first, second = compiled_result["llm"].engine.runner.bound_constants(), llm.engine.runner.bound_constants()
+    assert first and first.keys() == second.keys()
+    assert all(first[key] is second[key] for key in first)
+
+
+@pytest.mark.parametrize("compiled_result", ["full"], indirect=True)
+def test_full_packages_on_cpu_keep_their_weights_outside_and_share_them(compiled_result):
+    """A package holds the compiled code and a map from its constants (the frozen, pre-packed weights) to
+    digests; each constant is stored once beside the packages, so buckets with equal constants share them."""
+    runner = compiled_result["llm"].engine.runner
+    compiled, loaded = runner.packages()
+    folder = Path(cache_dir()) / PACKAGE_FOLDER
+    manifests = []
+    for name in compiled + loaded:
+        with zipfile.ZipFile(folder / name) as archive:
+            assert not [entry for entry in archive.namelist() if "/weights/" in entry or entry.endswith(".cpp")]
+            library = archive.read(next(entry for entry in archive.namelist() if entry.endswith(".so")))
+            if shutil.which("strip"):
+                assert b".symtab" not in library  # stripped: the section's name goes with it
+        manifests.append(shared_constants.read_manifest(folder / name))
+    digests = [key for manifest in manifests for key in manifest.values()]
+    assert set(digests) == runner.bound_constants().keys()
+    assert len(set(digests)) < len(digests)  # the buckets share constants
+    for key, tensor in runner.bound_constants().items():
+        assert shared_constants.digest(torch.load(folder / "constants" / f"{key}.pt")) == key
+        assert shared_constants.digest(tensor) == key

@@ -29,6 +29,7 @@ from ..config import GraphMode
 from ..model.causal_lm import CausalLM
 from ..speculative.state import DecodeState
 from ..speculative.step import StepConstants, prefill, speculative_step, state_writes
+from . import shared_constants
 from .packaged import AheadOfTimeCompiled, model_digest
 
 # Every bucket of every engine in a process is a separate specialization of the same functions.
@@ -40,8 +41,12 @@ def inductor_options(mode: GraphMode, device: torch.device) -> dict:
     cuda = device.type == "cuda"
     if mode == GraphMode.FULL:
         options = dict(torch._inductor.list_mode_options("max-autotune"))
-        if not cuda:  # packaged ahead of time: no graph replay on CPU, and freezing for the GEMM templates
-            options.update({"freezing": True, "triton.cudagraphs": False})
+        if not cuda:
+            # Packaged ahead of time: no graph replay on CPU, and freezing for the C++ GEMM templates, the only GEMM
+            # choice. They won all 24 autotunes below 16 rows here (by 1.18-8.8x), and ATen 18 of 26 at 16-64 rows,
+            # but ATen's choice pre-packs its weight into an opaque MKL-DNN tensor, which cannot be stored outside
+            # the package (shared_constants). One choice is not benchmarked, which also shortens the compile.
+            options.update({"freezing": True, "triton.cudagraphs": False, "max_autotune_gemm_backends": "CPP"})
         return options
     if mode == GraphMode.PIECEWISE:
         return {
@@ -50,16 +55,6 @@ def inductor_options(mode: GraphMode, device: torch.device) -> dict:
             "triton.cudagraphs": cuda,
         }
     return {"triton.cudagraphs": False}
-
-
-def options_for_rows(options: dict, rows: int) -> dict:
-    """full on CPU, for a graph whose GEMMs have `rows` rows (tokens) at most: below 16 only the C++ GEMM templates,
-    which are then not benchmarked. Over frozen weights they won all 24 autotunes below 16 rows here (by 1.18-8.8x);
-    at 16-64 rows ATen won 18 of 26. A cold compile of a k=3 batch-1 step took 233 s with the benchmarks and 168 s
-    without, and the two packages' steps timed 2.51 and 2.49 ms in one process."""
-    if not options.get("freezing") or rows >= 16:
-        return options
-    return {**options, "max_autotune_gemm_backends": "CPP"}
 
 
 def spec_backend(options: dict, manager: SpecPassManager):
@@ -109,14 +104,6 @@ class StepRunner:
         options = inductor_options(mode, device)
         model_key = model_digest(model, constants) if options.get("freezing") else None
 
-        slots = state.draft_tokens.shape[1]
-
-        def bucket_options(options: dict, args: tuple) -> dict:
-            """args: (batch_size,) or (batch_size, k) of a step, (slot, prompt_ids, prompt_len) of a prefill."""
-            if isinstance(args[0], torch.Tensor):
-                return options_for_rows(options, args[1].shape[1])
-            return options_for_rows(options, args[0] * ((args[1] if len(args) > 1 else slots) + 1))
-
         def compiled(name: str, function, num_drafts: int | None = None):
             context = PassContext(
                 graph_name=f"{name} ({mode.value})", state_writes=state_writes(state, num_drafts),
@@ -125,7 +112,7 @@ class StepRunner:
             manager = SpecPassManager(passes if passes is not None else default_passes(constants.hisparse), context)
             self.managers[name] = manager
             if options.get("freezing"):
-                return AheadOfTimeCompiled(function, manager, options, model_key, bucket_options)
+                return AheadOfTimeCompiled(function, manager, options, model_key)
             return torch.compile(function, fullgraph=True, dynamic=False, backend=spec_backend(options, manager))
 
         self._step, self._prefill = compiled("step", step_function), compiled("prefill", prefill_function)
@@ -140,6 +127,15 @@ class StepRunner:
     def package_bytes(self) -> int:
         """Bytes on disk of the packages this runner compiled or loaded."""
         return sum((f.folder / name).stat().st_size for f in self._packaged() for name in f.compiled + f.loaded)
+
+    def bound_constants(self) -> dict[str, torch.Tensor]:
+        """digest -> tensor of the constants (frozen weights) those packages share, each stored and loaded once."""
+        return {key: tensor for f in self._packaged() for key, tensor in f.bound_constants.items()}
+
+    def constants_bytes(self) -> int:
+        """Bytes on disk of bound_constants()."""
+        packaged = self._packaged()
+        return sum(shared_constants.size(packaged[0].folder, key) for key in self.bound_constants())
 
     def export_traces(self) -> int:
         """Graphs Dynamo traced while this runner exported its packages (torch.cond's branches)."""

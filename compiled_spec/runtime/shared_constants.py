@@ -1,0 +1,114 @@
+"""One copy of the frozen weights for every package: AOTInductor constants kept outside the packages.
+
+Freezing folds each weight into the graph's constants (C++ GEMM templates pre-pack it), so every bucket's
+package used to carry its own copy. Packages are now compiled with their constants outside the shared
+library, and each constant is stored once under the folder, named by the sha256 of its dtype, shape, strides
+and bytes. A package keeps only the map from its constant names to those digests; loading binds the stored
+tensors by pointer (user-managed). Buckets whose constants are equal share one file on disk and one tensor in
+memory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import weakref
+from pathlib import Path
+
+import torch
+from torch._inductor.codecache import AotCodeCompiler
+
+FOLDER = "constants"
+MANIFEST_NAME = "compiled_spec_constants.json"  # inside the package, beside the shared library
+
+# digest -> tensor, while some loaded package holds it: packages loaded in one process share each tensor.
+_loaded: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+
+
+@contextlib.contextmanager
+def left_out_of_the_library():
+    """Collects {name: value} of the constants that the AOTInductor compiles inside this block leave out of their
+    shared library (aot_inductor.package_constants_in_so=False), under the names the loader binds them by.
+
+    torch's own list of them (package_constants_on_disk_format) is keyed by each constant's original name, and
+    those repeat: one step graph here had three constants whose original name was constant29, so it
+    kept one of the three and load_constants(check_full_update=True) failed."""
+    constants: dict[str, torch.Tensor] = {}
+    compile_library = AotCodeCompiler.compile.__func__
+
+    def compile_and_collect(cls, graph, *args, **kwargs):
+        constants.update({name: graph.get_original_value_of_constant(name) for name in graph.constants
+                          if name not in graph.folded_constants})
+        return compile_library(cls, graph, *args, **kwargs)
+
+    AotCodeCompiler.compile = classmethod(compile_and_collect)
+    try:
+        yield constants
+    finally:
+        AotCodeCompiler.compile = classmethod(compile_library)
+
+
+def digest(tensor: torch.Tensor) -> str:
+    hasher = hashlib.sha256(repr((tensor.dtype, tuple(tensor.shape), tensor.stride())).encode())
+    hasher.update(tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy())
+    return hasher.hexdigest()
+
+
+def store(folder: Path, constants: dict[str, torch.Tensor]) -> dict[str, str]:
+    """Writes each constant not yet in the folder; returns {constant name: digest}."""
+    (folder / FOLDER).mkdir(parents=True, exist_ok=True)
+    manifest = {}
+    for name, tensor in constants.items():
+        if tensor.layout != torch.strided:
+            raise NotImplementedError(f"constant {name} is a {tensor.layout} tensor; only strided constants can be "
+                                      "stored outside a package")
+        manifest[name] = key = digest(tensor)
+        path = _path(folder, key)
+        if not path.exists():
+            owned = tensor.detach().clone() if _is_view(tensor) else tensor.detach()
+            partial = path.with_name(f"{path.stem}.{os.getpid()}.partial")
+            torch.save(owned, partial)
+            os.replace(partial, path)
+    return manifest
+
+
+def load(folder: Path, manifest: dict[str, str]) -> dict[str, torch.Tensor]:
+    """{constant name: tensor} for a manifest, each digest read from disk once per process."""
+    tensors = {}
+    for name, key in manifest.items():
+        tensor = _loaded.get(key)
+        if tensor is None:
+            path = _path(folder, key)
+            if not path.exists():
+                raise FileNotFoundError(f"constant {name} of a package is missing from {path.parent} ({key})")
+            tensor = _loaded[key] = torch.load(path, weights_only=True)
+        tensors[name] = tensor
+    return tensors
+
+
+def write_manifest(directory: Path, manifest: dict[str, str]) -> Path:
+    path = directory / MANIFEST_NAME
+    path.write_text(json.dumps(manifest, sort_keys=True))
+    return path
+
+
+def read_manifest(package: Path) -> dict[str, str]:
+    import zipfile
+
+    with zipfile.ZipFile(package) as archive:
+        name = next(n for n in archive.namelist() if n.endswith("/" + MANIFEST_NAME))
+        return json.loads(archive.read(name))
+
+
+def size(folder: Path, key: str) -> int:
+    return _path(folder, key).stat().st_size
+
+
+def _path(folder: Path, key: str) -> Path:
+    return folder / FOLDER / f"{key}.pt"
+
+
+def _is_view(tensor: torch.Tensor) -> bool:
+    return tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size()
