@@ -15,6 +15,7 @@ import hashlib
 import json
 import os
 import weakref
+import zipfile
 from pathlib import Path
 
 import torch
@@ -95,8 +96,6 @@ def write_manifest(directory: Path, manifest: dict[str, str]) -> Path:
 
 
 def read_manifest(package: Path) -> dict[str, str]:
-    import zipfile
-
     with zipfile.ZipFile(package) as archive:
         name = next(n for n in archive.namelist() if n.endswith("/" + MANIFEST_NAME))
         return json.loads(archive.read(name))
