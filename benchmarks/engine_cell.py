@@ -142,8 +142,9 @@ def measure_engine(spec: dict) -> dict:
         "setup_s": setup_s,
         "graphs_compiled_while_timed": graphs_made(engine.runner) - graphs_before,
         # full on CPU: bucket packages compiled at warm-up, and those a warm start loaded instead.
-        "packages_compiled": len(packages_compiled),
-        "packages_loaded": len(packages_loaded),
+        "packages_compiled": len(packages_compiled) + len(engine.compiled_in_processes),
+        "packages_loaded": len(packages_loaded) - len(engine.compiled_in_processes),
+        "compile_processes": engine.compile_processes,
         "package_bytes": engine.runner.package_bytes(),
         "constants_bytes": engine.runner.constants_bytes(),  # the frozen weights the packages share, once
         "weight_bytes": sum(tensor.numel() * tensor.element_size() for tensor in llm.model.state_dict().values()),

@@ -16,6 +16,7 @@ from .hisparse.indexer import attach_indexers
 from .model.rope import rotary_tables
 from .params import RequestOutput, SamplingParams, SpecStats
 from .registry import resolve_model, shipped_mtp_modules
+from .runtime.background_compile import compile_worker_count
 from .runtime.engine import Engine, Request, TokenCallback
 from .speculative.state import DecodeState
 from .speculative.step import StepConstants, make_layout
@@ -45,6 +46,7 @@ class LLM:
         mtp: str | Path | None = None,
         draft_vocab_size: int | None = None,
         background_compile: bool | None = None,
+        compile_workers: int | None = None,
     ):
         """num_speculative_tokens: drafts per step (k), or "auto": before each step, the k in
         0..max_speculative_tokens with the most expected tokens per second, from step times measured at warm-up
@@ -53,7 +55,9 @@ class LLM:
         modules' most frequent tokens (default: the size they were trained with; the vocabulary size, or more,
         drafts over all of it). background_compile (tiered start; full on CPU): graphs with no saved package compile
         in a child process while the engine decodes in eager, and the engine switches to them between two steps
-        when all are ready; default: on when graph_mode is left to its default, off when it is given."""
+        when all are ready; default: on when graph_mode is left to its default, off when it is given.
+        compile_workers (full on CPU): processes that compile missing packages at once, one graph each at a time;
+        default: $COMPILED_SPEC_COMPILE_WORKERS, else one per CPU core (one graph's compile uses one core)."""
         self.path = resolve_model(model) or DEFAULT_MODEL
         mtp = mtp if mtp is not None else shipped_mtp_modules(self.path)
         self.mtp_path = None if mtp is None else Path(mtp)
@@ -83,11 +87,14 @@ class LLM:
         self.engine.calibration_prompt = self._calibration_prompt()
         if background_compile is None:
             background_compile = graph_mode is None and self.config.graph_mode == GraphMode.FULL and device == "cpu"
-        if background_compile:
-            if self.config.graph_mode != GraphMode.FULL or device != "cpu":
-                raise CompiledSpecError(f"background_compile=True needs graph_mode='full' on CPU, not "
-                                        f"{self.config.graph_mode.value!r} on {device!r}")
-            self.engine.background_arguments = dict(
+        if background_compile and (self.config.graph_mode != GraphMode.FULL or device != "cpu"):
+            raise CompiledSpecError(f"background_compile=True needs graph_mode='full' on CPU, not "
+                                    f"{self.config.graph_mode.value!r} on {device!r}")
+        compile_worker_count(compile_workers, 1)  # a bad count or $COMPILED_SPEC_COMPILE_WORKERS fails here, not later
+        self.engine.compile_workers = compile_workers
+        self.engine.tiered_start = bool(background_compile)
+        if self.config.graph_mode == GraphMode.FULL and device == "cpu":
+            self.engine.llm_arguments = dict(
                 model=str(self.path), mtp=self.mtp_path, draft_vocab_size=draft_vocab_size,
                 num_speculative_tokens=self.config.num_speculative_tokens, max_speculative_tokens=max_speculative_tokens,
                 max_batch_size=max_batch_size, max_seq_len=max_seq_len, device=device, dtype=self.config.dtype,

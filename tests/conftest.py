@@ -16,6 +16,9 @@ torch.set_num_threads(1)
 # A test that does not name a graph mode runs the reference, eager, in this process and in the CLIs and servers it
 # starts (the default, full, starts a background compile on CPU); test_default_graph_mode checks the real default.
 os.environ["COMPILED_SPEC_GRAPH_MODE"] = "eager"
+# pytest -n 2 already keeps every core busy, and a test that patches the step must compile it in its own process:
+# full compiles in this process unless a test asks for compile processes (test_tiered_start does).
+os.environ["COMPILED_SPEC_COMPILE_WORKERS"] = "1"
 
 LLAMA3_ROPE = {
     "rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,

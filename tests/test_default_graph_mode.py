@@ -11,9 +11,10 @@ def test_full_is_the_default_and_on_cpu_it_starts_tiered(tiny_checkpoint, monkey
     path = tiny_checkpoint("predictive").path
     llm = LLM(path, max_seq_len=32, warm_up=False)
     assert llm.config.graph_mode == GraphMode.FULL
-    assert llm.engine.background_arguments is not None  # warm-up would compile in the background
+    assert llm.engine.tiered_start and llm.engine.llm_arguments is not None  # warm-up would compile in the background
     given = LLM(path, max_seq_len=32, graph_mode="full", warm_up=False)
-    assert given.engine.background_arguments is None  # a graph mode given: warm-up waits for its compile
+    assert not given.engine.tiered_start  # a graph mode given: warm-up waits for its compile
+    assert given.engine.llm_arguments is not None  # (which runs in child processes where that is quicker)
 
 
 def test_the_environment_names_another_default(tiny_checkpoint, monkeypatch):
@@ -21,7 +22,7 @@ def test_the_environment_names_another_default(tiny_checkpoint, monkeypatch):
     assert GraphMode.default_for("cpu") == GraphMode.COMPILE
     monkeypatch.setenv(GRAPH_MODE_VARIABLE, "eager")
     llm = LLM(tiny_checkpoint("predictive").path, max_seq_len=32)
-    assert llm.config.graph_mode == GraphMode.EAGER and llm.engine.background_arguments is None
+    assert llm.config.graph_mode == GraphMode.EAGER and not llm.engine.tiered_start and llm.engine.llm_arguments is None
     monkeypatch.setenv(GRAPH_MODE_VARIABLE, "fast")
     with pytest.raises(CompiledSpecError, match="COMPILED_SPEC_GRAPH_MODE='fast' is not a graph mode; choose one "
                                                 "of: eager, compile"):
@@ -31,3 +32,12 @@ def test_the_environment_names_another_default(tiny_checkpoint, monkeypatch):
 def test_a_background_compile_needs_full_on_cpu(tiny_checkpoint):
     with pytest.raises(CompiledSpecError, match="background_compile=True needs graph_mode='full' on CPU, not 'eager'"):
         LLM(tiny_checkpoint("predictive").path, max_seq_len=32, graph_mode="eager", background_compile=True)
+
+
+def test_a_bad_count_of_compile_processes_is_named(tiny_checkpoint, monkeypatch):
+    path = tiny_checkpoint("predictive").path
+    with pytest.raises(CompiledSpecError, match="compile_workers=0 is not allowed; choose 1 or more processes"):
+        LLM(path, max_seq_len=32, graph_mode="full", compile_workers=0, warm_up=False)
+    monkeypatch.setenv("COMPILED_SPEC_COMPILE_WORKERS", "two")
+    with pytest.raises(CompiledSpecError, match="COMPILED_SPEC_COMPILE_WORKERS='two' is not a whole number"):
+        LLM(path, max_seq_len=32, graph_mode="full", warm_up=False)

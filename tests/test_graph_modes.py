@@ -8,6 +8,7 @@ The MTP modules mimic the main model, so steps accept none, some and all of thei
 
 from __future__ import annotations
 
+import os
 import shutil
 import zipfile
 from pathlib import Path
@@ -52,8 +53,17 @@ def eager_result(workload):
 def compiled_result(request, workload):
     path, prompts = workload
     graphs_before = counters["stats"]["unique_graphs"]
-    llm = LLM(path, graph_mode=request.param, show_progress=False, **ENGINE)
+    packages_before = set(os.listdir(folder)) if (folder := Path(cache_dir()) / PACKAGE_FOLDER).is_dir() else set()
+    llm = LLM(path, graph_mode=request.param, show_progress=False, compile_workers=2, **ENGINE)
     graphs_after_warm_up = graphs_made(llm.engine.runner)
+    if request.param == "full":  # two or more packages missing: two child processes compiled them, this one loaded
+        compiled, loaded = llm.engine.runner.packages()
+        missing = sorted(set(compiled + loaded) - packages_before)
+        if len(missing) >= 2:
+            assert compiled == [] and sorted(llm.engine.compiled_in_processes) == missing
+            assert llm.engine.compile_processes == 2
+        else:
+            assert sorted(compiled) == missing
     with torch.compiler.set_stance("fail_on_recompile"):
         result = run_workload(llm, prompts)
         eager_prefills = llm.engine.eager_prefills

@@ -5,6 +5,7 @@ of requests changes no token and no accepted count, and nothing compiles after i
 from __future__ import annotations
 
 import logging
+import re
 from collections import deque
 
 import pytest
@@ -72,10 +73,11 @@ def test_a_first_start_answers_in_eager_while_full_compiles_in_the_background_th
     prompts = prompts_for((4, 9, 6), seed=5)
     reference = decode(LLM(path, graph_mode="eager", **options), prompts)
 
-    llm = LLM(path, graph_mode="full", background_compile=True, show_progress=False, **options)
+    llm = LLM(path, graph_mode="full", background_compile=True, compile_workers=2, show_progress=False, **options)
     engine = llm.engine
     assert engine.runner.mode == GraphMode.EAGER and engine.background is not None
     assert engine.background.process is not None  # this engine started the child
+    log = engine.background.log
     first = decode(llm, prompts)  # served at once, in eager (the child is still importing torch)
     assert first == reference
     assert "compiling in the background" in engine.graph_mode_run()
@@ -84,6 +86,10 @@ def test_a_first_start_answers_in_eager_while_full_compiles_in_the_background_th
 
     assert engine.poll_background(wait=True, timeout=900) == "ready", engine.background and engine.background.failure()
     assert engine.runner.mode == GraphMode.FULL and engine.background is None
+    ready = re.findall(r"^ready: (\S+) \(pid (\d+), [\d.]+ s\)$", log.read_text(), re.MULTILINE)
+    names = sorted(engine.runner.package_path(*graph).name for graph in engine.warm_up_graphs())
+    assert sorted(name for name, _ in ready) == names  # the step and the prefill graph, one in each process
+    assert len({pid for _, pid in ready}) == 2, ready
     assert engine.graph_mode_run() == f"eager, then full from step {engine.switches[0] + 1}"
     with torch.compiler.set_stance("fail_on_recompile"):
         assert decode(llm, prompts) == reference
@@ -102,8 +108,9 @@ def test_a_failed_background_compile_warns_once_and_the_engine_keeps_serving_in_
     options = dict(num_speculative_tokens=1, max_batch_size=2, max_seq_len=24, batch_buckets=(2,), prefill_buckets=(24,))
     prompts = prompts_for((4, 7), seed=2)
     reference = decode(LLM(path, graph_mode="eager", **options), prompts)
-    llm = LLM(path, graph_mode="full", background_compile=True, show_progress=False, warm_up=False, **options)
-    llm.engine.background_arguments["model"] = str(tmp_path / "gone")  # the child cannot load the model
+    llm = LLM(path, graph_mode="full", background_compile=True, compile_workers=2, show_progress=False, warm_up=False,
+              **options)
+    llm.engine.llm_arguments["model"] = str(tmp_path / "gone")  # neither compile process can load the model
     llm.engine.warm_up(show_progress=False)
     with caplog.at_level(logging.WARNING):
         assert llm.engine.poll_background(wait=True, timeout=300) == "failed"

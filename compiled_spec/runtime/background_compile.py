@@ -1,9 +1,11 @@
-"""Tiered start: the full graphs compile in a child process while the engine decodes in eager.
+"""Full packages compiled by child processes: in the background for a tiered start (the engine decodes in eager
+meanwhile), or waited for by a full warm-up that has several graphs to make.
 
-The child builds the same engine from the same LLM arguments and compiles the missing packages into the shared
-package folder (runtime/packaged.py); the engine switches to them between two steps once every one exists. The
-child runs in a session of its own, at a lower priority, and writes only files, so it finishes even when the process
-that started it exits first: a later process loads the packages, or follows the compile while it still runs.
+The child (runtime/compile_worker.py) builds the same engine from the same LLM arguments in each of its worker
+processes and compiles the missing packages into the shared package folder (runtime/packaged.py); the engine loads
+them once every one exists (a tiered start switches to them between two steps). The child runs in a session of its
+own and writes only files, so it finishes even when the process that started it exits first: a later process loads
+the packages, or follows the compile while it still runs.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import atexit
 import hashlib
 import os
 import pickle
+import signal
 import subprocess
 import sys
 import time
@@ -21,14 +24,38 @@ import torch
 from tqdm.auto import tqdm
 from torch._inductor.runtime.cache_dir_utils import cache_dir
 
+from ..errors import CompiledSpecError
+
 Graph = tuple[str, int, "int | None"]  # (kind, size, k) as Engine.warm_up_graphs lists them
 
 
-class BackgroundCompile:
-    """Compiles `graphs` (whose packages are `paths`; the child skips those that exist) in a child process, or
-    follows the child another process started for the same packages."""
+WORKERS_VARIABLE = "COMPILED_SPEC_COMPILE_WORKERS"
 
-    def __init__(self, llm_arguments: dict, graphs: list[Graph], paths: list[Path], show_progress: bool):
+
+def compile_worker_count(requested: int | None, graphs: int) -> int:
+    """Processes that compile `graphs` missing packages: `requested`, else $COMPILED_SPEC_COMPILE_WORKERS, else one
+    per CPU core; never more than the graphs."""
+    if requested is None:
+        value = os.environ.get(WORKERS_VARIABLE, "")
+        try:
+            requested = int(value) if value else len(os.sched_getaffinity(0))
+        except ValueError:
+            raise CompiledSpecError(f"{WORKERS_VARIABLE}={value!r} is not a whole number of processes; choose 1 or "
+                                    "more", param=WORKERS_VARIABLE) from None
+    if requested < 1:
+        raise CompiledSpecError(f"compile_workers={requested} is not allowed; choose 1 or more processes",
+                                param="compile_workers")
+    return max(1, min(requested, graphs))
+
+
+class BackgroundCompile:
+    """Compiles `graphs` (whose packages are `paths`; the child skips those that exist) in a child process with
+    `workers` worker processes, or follows the child another process started for the same packages. niceness: how
+    much lower the compile's priority is (a tiered start decodes meanwhile)."""
+
+    def __init__(self, llm_arguments: dict, graphs: list[Graph], paths: list[Path], show_progress: bool,
+                 workers: int = 1, niceness: int = 10,
+                 description: str = "compiling full graphs in the background (decoding in eager meanwhile)"):
         self.graphs, self.paths = graphs, paths
         name = hashlib.sha256("\0".join(sorted(path.name for path in paths)).encode()).hexdigest()[:16]
         folder = paths[0].parent
@@ -38,8 +65,8 @@ class BackgroundCompile:
         self.process: subprocess.Popen | None = None
         self.pid = running_compile(self.pid_file)
         if self.pid is None:
-            job = dict(llm=llm_arguments, graphs=graphs, paths=[str(path) for path in paths],
-                       threads=torch.get_num_threads(), pid_file=str(self.pid_file))
+            job = dict(llm=llm_arguments, graphs=graphs, paths=[str(path) for path in paths], workers=workers,
+                       niceness=niceness, threads=torch.get_num_threads(), pid_file=str(self.pid_file))
             with open(self.log, "wb") as log:
                 self.process = subprocess.Popen(
                     [sys.executable, "-m", "compiled_spec.runtime.compile_worker"], stdin=subprocess.PIPE,
@@ -51,7 +78,7 @@ class BackgroundCompile:
             self.process.stdin.write(pickle.dumps(job))  # starting meanwhile follows this child
             self.process.stdin.close()
         self.bar = tqdm(total=len(paths), initial=self.ready_count(), unit="graph", disable=not show_progress,
-                        desc="compiling full graphs in the background (decoding in eager meanwhile)")
+                        desc=description)
         if show_progress:
             atexit.register(self._say_still_running)
 
@@ -93,9 +120,9 @@ class BackgroundCompile:
         return lines[-1] if lines else "no output"
 
     def stop(self) -> None:
-        """Ends the child this object started (the packages it finished stay)."""
+        """Ends the child this object started and its workers (the packages they finished stay)."""
         if self.process is not None and self.process.poll() is None:
-            self.process.kill()
+            os.killpg(self.process.pid, signal.SIGKILL)  # the child leads its own session: its workers are in it
             self.process.wait()
         self.bar.close()
         atexit.unregister(self._say_still_running)

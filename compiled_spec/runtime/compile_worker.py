@@ -1,36 +1,77 @@
-"""The child of a tiered start (runtime/background_compile.py): reads its job (pickled) from stdin, builds the same
-engine in full and compiles each graph's package into the shared folder."""
+"""The child that compiles full packages (runtime/background_compile.py): reads its job (pickled) from stdin and
+compiles each missing graph's package into the shared folder, in `workers` processes at once.
+
+Each graph's compile is single-threaded Python and one g++ run, so N graphs on N cores take about as long as one.
+Every worker builds the same engine in full from the LLM's arguments and takes the next graph when it is done."""
 
 from __future__ import annotations
 
 import os
 import pickle
 import sys
+import time
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from multiprocessing import get_context
 from pathlib import Path
+
+_llm = None  # this worker's engine, built once
+_build_error: Exception | None = None  # raised by every compile_one: a failed pool initializer says only "broken"
+
+
+class PackageMismatch(Exception):
+    """The engine built here names another package than the one the parent expects."""
+
+
+def build(job: dict) -> None:
+    global _llm, _build_error
+    os.nice(job["niceness"])
+    try:
+        import torch
+
+        torch.set_num_threads(job["threads"])  # the thread count is part of every package's key
+        from compiled_spec.api import LLM
+
+        _llm = LLM(**job["llm"], graph_mode="full", warm_up=False, show_progress=False, background_compile=False)
+    except Exception as error:
+        _build_error = error
+
+
+def compile_one(graph: tuple, expected: str) -> str:
+    """Compiles one graph unless its package exists; returns what the log says of it."""
+    if _build_error is not None:
+        raise _build_error
+    path = _llm.engine.runner.package_path(*graph)
+    if str(path) != expected:
+        raise PackageMismatch(f"package {path.name} differs from the one the engine expects ({Path(expected).name}): "
+                              "the model or configuration changed")
+    start = time.perf_counter()
+    if not path.exists():
+        _llm.engine.compile_graph(*graph)
+    return f"ready: {path.name} (pid {os.getpid()}, {time.perf_counter() - start:.1f} s)"
 
 
 def main() -> int:
     job = pickle.load(sys.stdin.buffer)
     pid_file = Path(job["pid_file"])  # the parent wrote this process's pid into it
     try:
-        os.nice(10)  # the engine that started this one decodes meanwhile
-        import torch
-
-        torch.set_num_threads(job["threads"])  # the thread count is part of every package's key
-        from compiled_spec.api import LLM
-
-        llm = LLM(**job["llm"], graph_mode="full", warm_up=False, show_progress=False, background_compile=False)
-        runner = llm.engine.runner
-        for (kind, size, k), expected in zip(job["graphs"], job["paths"]):
-            path = runner.package_path(kind, size, k)
-            if str(path) != expected:
-                print(f"package {path.name} differs from the one the engine expects ({Path(expected).name}): "
-                      "the model or configuration changed", flush=True)
-                return 3
-            if not path.exists():
-                llm.engine.compile_graph(kind, size, k)
-            print(f"ready: {path.name}", flush=True)
+        missing = [(tuple(graph), path) for graph, path in zip(job["graphs"], job["paths"]) if not Path(path).exists()]
+        if not missing:  # another process made them meanwhile
+            return 0
+        workers = min(job["workers"], len(missing))
+        print(f"compiling {len(missing)} graphs in {workers} processes", flush=True)
+        if workers == 1:
+            build(job)
+            for graph, path in missing:
+                print(compile_one(graph, path), flush=True)
+            return 0
+        with ProcessPoolExecutor(workers, mp_context=get_context("spawn"), initializer=build, initargs=(job,)) as pool:
+            futures = [pool.submit(compile_one, graph, path) for graph, path in missing]
+            for future in as_completed(futures):
+                print(future.result(), flush=True)
         return 0
+    except PackageMismatch as error:
+        print(error, flush=True)
+        return 3
     finally:
         if pid_file.exists() and pid_file.read_text() == str(os.getpid()):
             pid_file.unlink()

@@ -24,7 +24,7 @@ from ..model.rope import rotary_tables
 from ..params import RequestOutput, SamplingParams, SpecStats
 from ..speculative.state import DecodeState, move_slot
 from ..speculative.step import StepConstants
-from .background_compile import BackgroundCompile
+from .background_compile import BackgroundCompile, compile_worker_count
 from .buckets import (
     checked_buckets, compiled_prefill_limit, default_batch_buckets, default_prefill_buckets, pick_bucket,
 )
@@ -96,7 +96,11 @@ class Engine:
         self.step_seconds: list[float] = []  # wall time of each decode step, the host copy of its results included
         self.warmup_seconds = 0.0
         self.calibration_prompt: list[int] | None = None  # what k = auto decodes at warm-up (the LLM sets it)
-        self.background_arguments: dict | None = None  # the LLM's arguments: set, warm-up starts tiered (full, CPU)
+        self.llm_arguments: dict | None = None  # the LLM's (full on CPU): compile processes build this engine from them
+        self.tiered_start = False  # warm-up decodes in eager while missing packages compile (needs llm_arguments)
+        self.compile_workers: int | None = None  # processes that compile missing packages (None: one per core)
+        self.compiled_in_processes: list[str] = []  # packages child processes compiled for warm-up (then loaded here)
+        self.compile_processes = 1  # how many processes compiled them
         self.background: BackgroundCompile | None = None
         self.steps_run = 0
         self.eager_prefills = 0  # prompts longer than every prefill bucket, prefilled in eager at their own length
@@ -119,8 +123,9 @@ class Engine:
         """Compiles every graph of warm_up_graphs() once, before any request is admitted. With auto it then times
         every (bucket, k) graph and seeds the acceptance estimates by decoding self.calibration_prompt.
 
-        With background_arguments set (tiered start, full on CPU), packages that are missing compile in a child
-        process instead: the engine decodes in eager meanwhile and switches between two steps (poll_background)."""
+        With llm_arguments set (full on CPU), packages that are missing compile in child processes, one graph per
+        process at a time (compile_workers). With tiered_start the engine decodes in eager meanwhile and switches
+        between two steps (poll_background); without, warm-up waits for them."""
         if self.config.graph_mode == GraphMode.EAGER and not self.chooser:
             return
         if self.slots:
@@ -129,9 +134,10 @@ class Engine:
         if self.config.graph_mode != GraphMode.EAGER:
             graphs = self.warm_up_graphs()
             paths = [self.runner.package_path(*graph) for graph in graphs]  # None where nothing is packaged
-            if self.background_arguments is not None and not all(path and path.exists() for path in paths):
+            if self.tiered_start and not all(path and path.exists() for path in paths):
                 self._start_in_eager(graphs, paths, show_progress)
             else:
+                self._compile_in_processes(graphs, paths, show_progress)
                 self._compile_graphs(show_progress)
         if self.chooser:
             self._time_steps()
@@ -145,6 +151,26 @@ class Engine:
             drafts = "" if k is None else f" k={k}"
             bar.set_postfix_str(f"{kind} {'batch' if kind == 'step' else 'prompt'}={size}{drafts}")
             self.compile_graph(kind, size, k)
+
+    def _compile_in_processes(self, graphs: list, paths: list, show_progress: bool) -> None:
+        """Compiles the missing packages in compile_workers child processes at once, where there are 2 or more of
+        each (one graph's compile is single-threaded); _compile_graphs then loads them. If that fails, one warning,
+        and _compile_graphs compiles them here (and raises the error, if it is not the children's own)."""
+        missing = [path for path in paths if path is not None and not path.exists()]
+        if self.llm_arguments is None or len(missing) < 2:
+            return
+        workers = compile_worker_count(self.compile_workers, len(missing))
+        if workers < 2:
+            return
+        children = BackgroundCompile(self.llm_arguments, graphs, paths, show_progress, workers=workers, niceness=0,
+                                     description=f"compiling buckets in {workers} processes")
+        status = children.wait()
+        self.compile_processes = workers
+        self.compiled_in_processes = [path.name for path in missing if path.exists()]
+        if status != "ready":
+            log.warning("compiled-spec: compiling in %d processes failed (%s; log: %s); compiling here instead",
+                        workers, children.failure(), children.log)
+            children.stop()
 
     def compile_graph(self, kind: str, size: int, num_drafts: int | None) -> None:
         """Makes one graph of warm_up_graphs() by calling it once over free slots (every slot is free and marked
@@ -162,7 +188,9 @@ class Engine:
         self._full_runner = self.runner
         self.runner = StepRunner(self.model, self.state, self.constants, GraphMode.EAGER,
                                  draft_lengths=self.runner.draft_lengths)
-        self.background = BackgroundCompile(self.background_arguments, graphs, paths, show_progress)
+        missing = sum(not path.exists() for path in paths)
+        self.background = BackgroundCompile(self.llm_arguments, graphs, paths, show_progress,
+                                            workers=compile_worker_count(self.compile_workers, missing))
         self._show_progress = show_progress
         # Decode on one thread meanwhile: a kernel's threads wait at a barrier for the one the compile displaced
         # (on 2 cores eager made 3.7 tokens/s on two threads, 106.5 on one). The packages use the count they had.
