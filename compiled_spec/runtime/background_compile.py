@@ -111,6 +111,14 @@ class BackgroundCompile:
             time.sleep(interval)
         return status
 
+    def join(self, timeout: float = 120) -> None:
+        """Waits (at most `timeout` seconds) until the child this object started has exited, workers included."""
+        if self.process is not None:
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                pass
+
     def failure(self) -> str:
         """The last line the compiling process logged."""
         try:

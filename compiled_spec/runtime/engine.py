@@ -165,6 +165,7 @@ class Engine:
         children = BackgroundCompile(self.llm_arguments, graphs, paths, show_progress, workers=workers, niceness=0,
                                      description=f"compiling buckets in {workers} processes")
         status = children.wait()
+        children.join()  # its processes still wind down after the last package: decoding beside them stalls
         self.compile_processes = workers
         self.compiled_in_processes = [path.name for path in missing if path.exists()]
         if status != "ready":
