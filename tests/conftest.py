@@ -17,7 +17,7 @@ torch.set_num_threads(1)
 # starts (the default, full, starts a background compile on CPU); test_default_graph_mode checks the real default.
 os.environ["COMPILED_SPEC_GRAPH_MODE"] = "eager"
 # pytest -n 2 already keeps every core busy, and a test that patches the step must compile it in its own process:
-# full compiles in this process unless a test asks for compile processes (test_tiered_start does).
+# full compiles in this process unless a test asks for compile processes (test_tiered_start, test_graph_modes).
 os.environ["COMPILED_SPEC_COMPILE_WORKERS"] = "1"
 
 LLAMA3_ROPE = {
