@@ -156,10 +156,10 @@ class Engine:
         """Compiles the missing packages in compile_workers child processes at once, where there are 2 or more of
         each (one graph's compile is single-threaded); _compile_graphs then loads them. If that fails, one warning,
         and _compile_graphs compiles them here (and raises the error, if it is not the children's own)."""
-        missing = [path for path in paths if path is not None and not path.exists()]
-        if self.llm_arguments is None or len(missing) < 2:
+        if self.llm_arguments is None:
             return
-        workers = compile_worker_count(self.compile_workers, len(missing))
+        missing = [path for path in paths if path is not None and not path.exists()]
+        workers = compile_worker_count(self.compile_workers, len(missing))  # at most one per missing graph
         if workers < 2:
             return
         children = BackgroundCompile(self.llm_arguments, graphs, paths, show_progress, workers=workers, niceness=0,
