@@ -496,7 +496,11 @@ DEFAULT_ANCHORS = ("hf-eager", "hf-static", "hf-mtp")
                    "buckets the prompts fall in (each prompt padded as a default engine pads it); "
                    "default: the engine's own buckets (slowest warm-up).")
 @click.option("--repeats", type=click.IntRange(1), default=1, show_default=True,
-              help="Timed runs per cell; the fastest counts.")
+              help="Timed runs per cell, in its process; the fastest counts.")
+@click.option("--rounds", type=click.IntRange(1), default=1, show_default=True,
+              help="Runs of the whole sweep, each cell in a fresh process every round; each cell keeps its "
+                   "fastest round. Spreads process-to-process and minute-to-minute speed differences of a "
+                   "shared machine over every cell alike (the first round compiles, later ones start warm).")
 @click.option("--threads", type=click.IntRange(0), default=0, show_default=True,
               help="torch threads in every cell; 0 keeps torch's default.")
 @click.option("--cache-dir", "cache_dir", type=click.Path(file_okay=False), default=None,
@@ -511,7 +515,7 @@ DEFAULT_ANCHORS = ("hf-eager", "hf-static", "hf-mtp")
 @click.option("--hisparse", is_flag=True, help="Every engine cell decodes with HiSparse sparse attention.")
 @hisparse_options
 def bench(model, graph_modes, ks, batch_sizes, anchors, out, max_tokens, prompts_file, max_seq_len, buckets,
-          repeats, threads, cache_dir, cell_timeout, draft_vocab_sizes, hisparse, top_k_tokens, hot_rows,
+          repeats, rounds, threads, cache_dir, cell_timeout, draft_vocab_sizes, hisparse, top_k_tokens, hot_rows,
           cold_dtype, cold_pool):
     """Measure tokens/s, step latency, acceptance per draft position, warm-up time and peak memory for
     every graph mode x k x batch size, beside transformers on the same model and prompts (greedy).
@@ -523,7 +527,7 @@ def bench(model, graph_modes, ks, batch_sizes, anchors, out, max_tokens, prompts
     Examples:
       compiled-spec bench                                    # eager and full, k=3, batch 1, the anchors
       compiled-spec bench --graph-modes eager,compile,piecewise,full -k 0,1,2,3 --batch-sizes 1,4,8
-      compiled-spec bench --graph-modes full -k 0,1,2,3,auto --batch-sizes 1,8 --anchors none
+      compiled-spec bench --graph-modes full -k 0,1,2,3,auto --batch-sizes 1,8 --anchors none --rounds 3
       compiled-spec bench --model ./tiny --graph-modes eager -k 2 --batch-sizes 1,2 --anchors none
       compiled-spec bench --hisparse --top-k-tokens 32 --hot-rows 64 --graph-modes eager,full
     """
@@ -558,7 +562,7 @@ def bench(model, graph_modes, ks, batch_sizes, anchors, out, max_tokens, prompts
     options = SweepOptions(
         model=Path(model), graph_modes=graph_modes, num_speculative_tokens=ks, batch_sizes=batch_sizes,
         anchors=anchors, out=Path(out), max_tokens=max_tokens, prompts=prompts, max_seq_len=max_seq_len,
-        buckets=buckets, repeats=repeats, threads=threads, cache_dir=Path(cache_dir) if cache_dir else None,
+        buckets=buckets, repeats=repeats, rounds=rounds, threads=threads, cache_dir=Path(cache_dir) if cache_dir else None,
         cell_timeout_s=cell_timeout, command=spelled_out(click.get_current_context()),
         hisparse=dataclasses.asdict(sparse) if sparse else None, draft_vocab_sizes=draft_vocab_sizes,
     )

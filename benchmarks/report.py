@@ -65,8 +65,9 @@ def engine_row(record: dict, anchors: list[str]) -> str:
     same = record.get("acceptance_equals_eager")
     if same is False:  # how many accepted drafts moved, out of how many
         same = f"Δ{record.get('accepted_differs_from_eager_by', '?')} of {sum(record['accepted_per_position'])}"
+    rounds = record.get("rounds_tokens_per_s")
     cells = [
-        number(record["tokens_per_s"]),
+        number(record["tokens_per_s"]) + (f" ({' / '.join(number(rate) for rate in rounds)})" if rounds else ""),
         f"{latency['p50']:.2f} / {latency['p90']:.2f}",
         acceptance_text(record),
         number(record["mean_accepted_length"], 2),
@@ -92,6 +93,7 @@ def startup_rows(results: dict) -> list[str]:
              "| mode | k | batch | packages compiled / loaded | warm-up s | package MB | shared constants MB "
              "| weights MB × packages | package / (weights × packages) |", "|---|---|---|---|---|---|---|---|---|"]
     for r in packaged:
+        r = {**r, **r.get("first_round", {})}  # with rounds: the first, which compiled what the cache lacked
         count = r["packages_compiled"] + r["packages_loaded"]
         weights = r["weight_bytes"] * count
         constants = r.get("constants_bytes")  # absent in runs whose packages carried their own weights
@@ -140,7 +142,9 @@ def markdown(results: dict, plot_names: list[str] = ()) -> str:
         "",
         f"{settings['prompts']} prompts ({min(settings['prompt_lengths'])}–{max(settings['prompt_lengths'])} tokens), "
         f"{settings['max_tokens']} new tokens each, {settings['sampling']}; max_seq_len {settings['max_seq_len']}, "
-        f"{settings['buckets']} buckets, best of {settings['repeats']}."
+        f"{settings['buckets']} buckets, best of {settings['repeats']}"
+        + (f" in each of {settings['rounds']} rounds (a fresh process per cell and round; tokens/s of every "
+           f"round in brackets)." if settings.get("rounds", 1) > 1 else ".")
         + (hisparse_text(settings["hisparse"], engine_records(results)) if settings.get("hisparse") else ""),
         "",
         "tokens/s: generated tokens / wall time of generate() for all prompts, prefill included, after warm-up. "

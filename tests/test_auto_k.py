@@ -112,25 +112,29 @@ def test_compiled_auto_switches_without_recompiling(prompts, plain_tokens, eager
     assert lane_counts(records) == lane_counts(eager_switching[1])
 
 
-def test_steps_that_draft_fewer_keep_every_depth_current(prompts):
-    """A step drafting 1 <= k < K still runs every draft depth over its window: after a schedule of k=1 and k=2
-    steps, each depth's KV rows over the verified tokens equal those of an engine that drafts K every step
-    (before, depth 2 left the rows of k=1 steps unwritten and later drafts attended over them)."""
+def test_a_step_drafting_k_runs_depths_up_to_k_only(prompts):
+    """A step drafting k runs draft depths 1..k, as a K=k engine's step does: after k=1 steps, depth 1's KV rows
+    over the verified tokens equal those of an engine that drafts K every step, and depth 2 has not written the
+    rows those steps covered (they keep the zeros written before the request)."""
     path, texts = prompts
     prompt = texts[4]
     caches = []
-    for schedule in ([1, 1, 2, 1], [K]):
+    for schedule in ([1], [K]):
         llm = LLM(path, graph_mode="eager", **ENGINE)
         llm.engine.chooser = ScheduledChooser(schedule)
+        for cache in llm.engine.state.draft_keys + llm.engine.state.draft_values:
+            cache.zero_()  # warm-up's calibration request wrote rows in this slot
         records = record_steps(llm)
-        output = llm.generate([prompt], GREEDY)[0]
+        llm.generate([prompt], GREEDY)
         assert {r.num_drafts for r in records[1:]} == set(schedule)
         state = llm.engine.state
         caches.append([torch.cat([keys[0], values[0]], -1) for keys, values in zip(state.draft_keys, state.draft_values)])
     verified_rows = len(prompt) + GREEDY.max_tokens - 1 - K  # every depth's row i reads up to token i + K
-    for depth, (switching, fixed) in enumerate(zip(*caches), start=1):
-        torch.testing.assert_close(switching[:verified_rows], fixed[:verified_rows], rtol=1e-4, atol=1e-4,
-                                   msg=lambda m: f"depth {depth}: {m}")
+    (depth1_lean, depth2_lean), (depth1_full, depth2_full) = caches
+    torch.testing.assert_close(depth1_lean[:verified_rows], depth1_full[:verified_rows], rtol=1e-4, atol=1e-4)
+    decoded = slice(len(prompt), verified_rows)  # rows past the prompt: prefill wrote every depth before them
+    assert depth2_full[decoded].abs().amax(-1).min() > 0
+    assert depth2_lean[decoded].abs().max() == 0
 
 
 def test_auto_with_drafts_that_are_never_accepted_chooses_k0(tiny_checkpoint):
@@ -154,6 +158,23 @@ def test_the_chooser_maximizes_expected_tokens_per_second():
     assert chooser.choose(1) == 0
     chooser.observe_acceptance(verified=2, accepted=2)  # both hits; position 3 was not verified
     assert chooser.acceptance[2] == 0.1 and chooser.acceptance[0] > 0.1
+
+
+def test_the_chooser_keeps_its_k_until_another_is_clearly_faster():
+    """Within switch_margin (3%) of the best, the last k of the bucket stays: a switch up finds stale rows in the
+    depths the smaller k did not run."""
+    chooser = DraftLengthChooser(2)
+    chooser.seconds = {(1, 0): 1.0, (1, 1): 1.5, (1, 2): 2.0}
+    chooser.acceptance = [0.6, 0.0]  # per second: 1, 1.067, 0.8
+    assert chooser.choose(1) == 1
+    chooser.acceptance = [0.52, 0.0]  # 1, 1.013: k=0 is faster, but by less than 3%
+    assert chooser.choose(1) == 1
+    chooser.seconds.update({(8, 0): 1.0, (8, 1): 3.0, (8, 2): 4.0})  # each bucket keeps its own k
+    assert chooser.choose(8) == 0 and chooser.choose(1) == 1
+    chooser.acceptance = [0.4, 0.0]  # 1, 0.933: k=0 is 7% faster
+    assert chooser.choose(1) == 0
+    chooser.acceptance = [0.52, 0.0]
+    assert chooser.choose(1) == 0
 
 
 def test_sampled_tokens_keep_the_target_distribution_while_k_switches(tiny_checkpoint):

@@ -6,14 +6,20 @@ request at warm-up). Seconds per step: per (batch bucket, k), the fastest of sev
 graphs at warm-up. Live step times do not update them: one slow step would make its k look costly, and a k
 that is not chosen is never measured again to correct it. k=0 is always a candidate, so by these estimates
 no step is chosen to be slower per token than plain decoding.
+
+A step that drafts k runs draft depths 1..k only (speculative/step.py), so after steps at a smaller k the deeper
+depths hold stale rows. The chooser therefore keeps its last k in a bucket until another k is expected to be
+switch_margin faster: near-equal estimates do not make it flap between two k.
 """
 
 from __future__ import annotations
 
 
 class DraftLengthChooser:
-    def __init__(self, max_drafts: int, acceptance_decay: float = 0.98):
+    def __init__(self, max_drafts: int, acceptance_decay: float = 0.98, switch_margin: float = 0.03):
         self.max_drafts = max_drafts
+        self.switch_margin = switch_margin
+        self.chosen: dict[int, int] = {}  # bucket -> the k its last step ran
         self.acceptance = [1.0] * max_drafts  # optimistic until observed: calibration replaces it
         self.seconds: dict[tuple[int, int], float] = {}  # (bucket, k) -> seconds per step
         self.acceptance_decay = acceptance_decay
@@ -26,13 +32,19 @@ class DraftLengthChooser:
         return total
 
     def choose(self, bucket: int) -> int:
-        """The k with the most expected tokens per second in this bucket (the smaller k on a tie). A k whose step
-        was never timed in this bucket (no warm-up) is chosen first, so the live step times it."""
+        """The k with the most expected tokens per second in this bucket (the smaller k on a tie), unless the k
+        chosen last in this bucket is within switch_margin of it. A k whose step was never timed in this bucket
+        (no warm-up) is chosen first, so the live step times it."""
         untimed = [k for k in range(self.max_drafts + 1) if (bucket, k) not in self.seconds]
         if untimed:
             return untimed[0]
         rates = {k: self.expected_tokens(k) / self.seconds[(bucket, k)] for k in range(self.max_drafts + 1)}
-        return max(rates, key=lambda k: (rates[k], -k))
+        best = max(rates, key=lambda k: (rates[k], -k))
+        last = self.chosen.get(bucket)
+        if last is not None and rates[best] <= rates[last] * (1 + self.switch_margin):
+            return last
+        self.chosen[bucket] = best
+        return best
 
     def observe_step(self, bucket: int, k: int, seconds: float, lanes: list[tuple[int, int]]) -> None:
         """lanes: per lane, (drafts it verified, drafts accepted). A lane verifies fewer than k drafts when the

@@ -5,8 +5,9 @@ t_{L-1} is the pending token. A step verifies [t_{L-1}, d_1..d_k] at positions L
 n drafts and one more token, so L' = L + n + 1, then drafts t_{L'}..t_{L'+k-1} for the next step.
 The state has K >= k draft slots and each step is compiled for its own k: k can change between steps
 (runtime/draft_chooser.py) because a row's drafts past its draft_counts are rejected, never verified. A step that
-drafts (k >= 1) runs every depth 1..K over its window, sampling only the first k, so each depth's KV cache and
-carried row stay current whichever k comes next; a k=0 step is plain decoding and runs no depth.
+drafts k runs depths 1..k only (a k=0 step is plain decoding), so it costs what a K=k engine's step costs. Depths
+past k leave this step's rows unwritten: when a later step drafts more, those depths attend over stale rows, which
+can lower their acceptance but never changes an output (verification is lossless whatever the drafts are).
 
 Draft depth m row i pairs h^{m-1}_i with t_{i+m} (h^0 is the main model's hidden state). Each depth
 has its own KV cache. After verification, depth m re-runs rows L-m .. L-1+k (the "draft-extend"
@@ -78,8 +79,7 @@ def state_writes(state: DecodeState, num_drafts: int | None = None) -> tuple[str
     """The DecodeState fields the step drafting num_drafts (default: every slot; prefill always does) updates
     (checked by passes/state_mutation)."""
     slots = draft_slots(state)
-    k = slots if num_drafts is None else num_drafts
-    depths = slots if k > 0 else 0
+    k = depths = slots if num_drafts is None else num_drafts
     names = ["pending_tokens", "seq_lens", "generated", "done", "step_tokens", "step_emitted", "step_accepted"]
     names += [f"main_keys[{i}]" for i in range(len(state.main_keys))]
     names += [f"main_values[{i}]" for i in range(len(state.main_values))]
@@ -111,30 +111,28 @@ def _draft_chain(
     writable_rows: torch.Tensor,
     next_position: torch.Tensor,
     k: int,
-    depths: int,
     sparse: bool = False,
 ):
-    """Runs draft depths 1..depths (>= k) over their windows and samples one draft at each of the first k.
+    """Runs draft depths 1..k over their windows and samples one draft at each.
 
     first_row [B]: row of window index 0 at depth 1 (depth m starts at first_row - m + 1).
-    window_tokens [B, W + depths]: token t_{first_row + 1 + j} at index j; drafts are written in as they are made
-        (past them, a depth beyond k reads placeholders, in rows the next step writes again before reading them).
+    window_tokens [B, W + k]: token t_{first_row + 1 + j} at index j; drafts are written in as they are made.
     main_hidden [B, W, H]: h^0 at rows first_row .. first_row + W - 1.
-    carry_hidden [B, depths-1, H] or None: h^d at row first_row - d, the extra row depth d+1 needs in front.
+    carry_hidden [B, >= k-1, H] or None: h^d at row first_row - d, the extra row depth d+1 needs in front.
     producing_index [B]: depth-1 window index whose output predicts the first draft (n in a step).
     writable_rows [B, W]: depth-1 rows that may be written (prompt padding may not).
     next_position [B]: position of the first draft token.
-    Returns draft tokens [B, k], draft probs [B, k, V], new carry [B, depths-1, H] (depth d output at
+    Returns draft tokens [B, k], draft probs [B, k, V], new carry [B, k-1, H] (depth d output at
     producing_index).
     """
     batch, width, _ = main_hidden.shape
     rows = slot_ids
     temperature, top_k, top_p = _row_params(state, rows)
     seeds = state.seeds[rows]
-    offsets = torch.arange(width + depths, device=main_hidden.device)
+    offsets = torch.arange(width + k, device=main_hidden.device)
     previous = main_hidden
     drafts, probs, carries = [], [], []
-    for depth in range(1, depths + 1):
+    for depth in range(1, k + 1):
         window = width + depth - 1
         start = first_row - (depth - 1)
         positions = start[:, None] + offsets[:window]
@@ -152,18 +150,17 @@ def _draft_chain(
             # The draft mirror: this depth's new rows reach its cold pool before any later pass reads them.
             mirror_new_rows(tiers, state.draft_keys[depth - 1], state.draft_values[depth - 1], slot_ids,
                             layout.write_index, state.trash_position)
-        if depth <= k:
-            pick = (producing_index + depth - 1)[:, None, None].expand(batch, 1, hidden.shape[-1])
-            logits = model.draft_logits(hidden.gather(1, pick)[:, 0])
-            depth_probs = sampling_probs(logits, temperature, top_k, top_p)
-            position = next_position + depth - 1
-            index = race_sample(depth_probs, rng.stream_key(seeds, position, rng.DRAFT + depth))
-            token, depth_probs = model.draft_tokens_and_probs(index, depth_probs)
-            window_tokens = torch.where(offsets[None, :] == producing_index[:, None] + depth, token[:, None],
-                                        window_tokens)
-            drafts.append(token)
-            probs.append(depth_probs)
-        if depth < depths:
+        pick = (producing_index + depth - 1)[:, None, None].expand(batch, 1, hidden.shape[-1])
+        logits = model.draft_logits(hidden.gather(1, pick)[:, 0])
+        depth_probs = sampling_probs(logits, temperature, top_k, top_p)
+        position = next_position + depth - 1
+        index = race_sample(depth_probs, rng.stream_key(seeds, position, rng.DRAFT + depth))
+        token, depth_probs = model.draft_tokens_and_probs(index, depth_probs)
+        window_tokens = torch.where(offsets[None, :] == producing_index[:, None] + depth, token[:, None],
+                                    window_tokens)
+        drafts.append(token)
+        probs.append(depth_probs)
+        if depth < k:
             # The row the next step's depth depth+1 window needs in front: index n of this depth's window.
             carry_pick = producing_index[:, None, None].expand(batch, 1, hidden.shape[-1])
             carries.append(hidden.gather(1, carry_pick)[:, 0])
@@ -246,7 +243,7 @@ def speculative_step(
     new_seq_lens = torch.where(active, seq_lens + accepted + 1, seq_lens)
 
     if k > 0:
-        window_tokens = torch.cat([emitted_tokens, torch.zeros_like(state.draft_tokens[:batch_size])], dim=1)
+        window_tokens = torch.cat([emitted_tokens, torch.zeros_like(drafts)], dim=1)
         new_drafts, new_probs, new_carry = _draft_chain(
             model, state, constants, rows, True,
             first_row=first_row,
@@ -257,7 +254,6 @@ def speculative_step(
             writable_rows=writable,
             next_position=new_seq_lens,
             k=k,
-            depths=slots,
             sparse=True,
         )
         keep = active[:, None]
@@ -265,8 +261,8 @@ def speculative_step(
         old_probs = state.draft_probs[:batch_size, :k]
         _write_leading(state.draft_probs, rows, torch.where(keep[:, :, None], new_probs, old_probs))
         if new_carry is not None:
-            old_carry = state.carry_hidden[:batch_size]
-            _write_rows(state.carry_hidden, rows, torch.where(keep[:, :, None], new_carry, old_carry))
+            old_carry = state.carry_hidden[:batch_size, : k - 1]
+            _write_leading(state.carry_hidden, rows, torch.where(keep[:, :, None], new_carry, old_carry))
     if slots > 0:
         counts = state.draft_counts[:batch_size]
         _write_rows(state.draft_counts, rows, torch.where(active, torch.full_like(counts, k), counts))
@@ -324,7 +320,6 @@ def prefill(
             writable_rows=real,
             next_position=new_seq_len,
             k=k,
-            depths=k,
         )
         _write_rows(state.draft_tokens, slot, drafts)
         _write_rows(state.draft_probs, slot, draft_probs)
