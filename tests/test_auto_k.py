@@ -105,9 +105,13 @@ def test_compiled_auto_switches_without_recompiling(prompts, plain_tokens, eager
     llm = scheduled(LLM(path, graph_mode="compile", show_progress=False, **ENGINE))
     after_warm_up = graphs_made(llm.engine.runner)
     records = record_steps(llm)
+    runner, prefill_drafts = llm.engine.runner, []
+    prefill = runner.prefill
+    runner.prefill = lambda *args: prefill_drafts.append(args[3]) or prefill(*args)
     with torch.compiler.set_stance("fail_on_recompile"):
         outputs = llm.generate(texts, GREEDY)
     assert graphs_made(llm.engine.runner) == after_warm_up
+    assert set(prefill_drafts) == {0, K}  # after a k=0 step a request is admitted by the plain prefill graph
     assert [o.token_ids for o in outputs] == plain_tokens
     assert lane_counts(records) == lane_counts(eager_switching[1])
 
@@ -142,9 +146,17 @@ def test_auto_with_drafts_that_are_never_accepted_chooses_k0(tiny_checkpoint):
     llm = LLM(tiny_checkpoint("llama").path, num_speculative_tokens="auto", max_seq_len=64, max_batch_size=2,
               graph_mode="eager")
     assert llm.engine.chooser.acceptance[0] < 0.1
-    outputs = llm.generate([[5, 6, 7], [9]], SamplingParams(max_tokens=24, ignore_eos=True))
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    outputs = llm.generate([[5, 6, 7], [9]], params)
     for output in outputs:
         assert output.stats.steps_per_num_drafts == {0: output.stats.steps}
+    # Holding k=0, auto admits with the plain prefill: no draft depth runs at all, as with a k=0 engine.
+    state = llm.engine.state
+    for cache in state.draft_keys + state.draft_values:
+        cache.zero_()
+    again = llm.generate([[5, 6, 7], [9]], params)
+    assert [o.token_ids for o in again] == [o.token_ids for o in outputs]
+    assert all(cache.abs().max() == 0 for cache in state.draft_keys + state.draft_values)
 
 
 def test_the_chooser_maximizes_expected_tokens_per_second():

@@ -275,8 +275,10 @@ def test_lightning_indexer_weights_load_for_main_and_draft_layers(tiny_checkpoin
     assert sparse[0] != dense[0]  # a small top-k does attend to fewer tokens
 
 
-@pytest.mark.parametrize("mode", ["compile", "piecewise", "full"])
+@pytest.mark.parametrize("mode", ["compile", "piecewise"])
 def test_top_k_covering_the_context_equals_dense_in_every_graph_mode(tiny_checkpoint, mode):
+    """full: its tokens and accepted counts equal eager's with HiSparse (the saturated tests below, and the
+    tiered start), and eager's equal dense here; a full compile of this configuration would add 2 min."""
     path = tiny_checkpoint("predictive").path
     prompts = prompts_for((3, 11, 6), seed=1)
     dense = run(LLM(path, **DENSE_ENGINE), prompts, max_tokens=12)

@@ -103,6 +103,7 @@ class Engine:
         self.compile_processes = 1  # how many processes compiled them
         self.background: BackgroundCompile | None = None
         self.steps_run = 0
+        self.last_num_drafts: int | None = None  # k of the last step
         self.eager_prefills = 0  # prompts longer than every prefill bucket, prefilled in eager at their own length
         self.switches: list[int] = []  # steps_run at each switch_runner
         self._full_runner, self._next_poll, self._show_progress, self._threads = None, 0.0, False, 1
@@ -113,10 +114,12 @@ class Engine:
 
     def warm_up_graphs(self, runner: StepRunner | None = None) -> list[tuple[str, int, int | None]]:
         """(kind, size, k) of every graph warm-up makes for `runner` (default: this engine's): each batch bucket (for
-        every k with auto, else k None, every draft slot) and each prefill bucket if the runner compiles prefill."""
+        every k with auto, else k None, every draft slot) and each prefill bucket if the runner compiles prefill (with
+        auto also its plain prefill, k=0)."""
         graphs = [("step", size, k) for size in reversed(self.batch_buckets) for k in self.draft_lengths()]
         if (runner or self.runner).compiles_prefill:
-            graphs += [("prefill", size, None) for size in reversed(self.prefill_buckets)]
+            prefills = [None, 0] if self.chooser and self.k > 0 else [None]
+            graphs += [("prefill", size, k) for size in reversed(self.prefill_buckets) for k in prefills]
         return graphs
 
     def warm_up(self, show_progress: bool = True) -> None:
@@ -315,12 +318,18 @@ class Engine:
         prompt = torch.zeros(1, width, dtype=torch.int64, device=device)
         prompt[0, :length] = torch.tensor(request.prompt_ids, dtype=torch.int64)
         prefill = self.runner.prefill if bucketed else self.runner.prefill_eager
-        prefill(torch.tensor([slot], device=device), prompt, torch.tensor([length], device=device))
+        drafts = self._prefill_drafts()
+        prefill(torch.tensor([slot], device=device), prompt, torch.tensor([length], device=device), drafts)
         self.eager_prefills += not bucketed
-        request.valid_drafts = self.k  # prefill drafts every slot
+        request.valid_drafts = drafts
         self.slots.append(request)
         finished, _ = self._collect(slot + 1, on_tokens, first_slot=slot, record_stats=False)
         return finished
+
+    def _prefill_drafts(self) -> int:
+        """K, or 0 with auto when its last step drafted none: drafts that no step would verify cost a prefill as much
+        as K draft depths over the prompt (which then hold none of its rows)."""
+        return 0 if self.chooser and self.last_num_drafts == 0 else self.k
 
     def step(self, on_tokens: TokenCallback | None = None) -> StepRecord:
         """One speculative step over every admitted request; finished requests leave their slots."""
@@ -328,6 +337,7 @@ class Engine:
         start = time.perf_counter()
         batch = pick_bucket(self.batch_buckets, len(self.slots))
         k = self.chooser.choose(batch) if self.chooser else self.k
+        self.last_num_drafts = k
         verified = [min(k, request.valid_drafts) for request in self.slots]
         if self.chooser:
             self.runner.step(batch, k)

@@ -82,7 +82,8 @@ class StepRunner:
         draft_lengths: tuple[int, ...] = (),
     ):
         """draft_lengths: the k values below the state's draft slots K that step(batch_size, k) is called with
-        (k = auto); each k is a graph of its own, with the writes it makes checked by its own passes."""
+        (k = auto); each k is a graph of its own, with the writes it makes checked by its own passes. With k=0 among
+        them, prefill(..., num_drafts=0) is a graph too: the plain prefill auto admits with while it decodes at k=0."""
         self.mode = mode
         self.state = state
         self.draft_lengths = draft_lengths
@@ -95,6 +96,7 @@ class StepRunner:
         self._step, self._prefill = step_function, prefill_function
         self._eager_prefill = prefill_function
         self._steps_by_k: dict[int, object] = {k: step_function for k in draft_lengths}
+        self._plain_prefill = prefill_function if 0 in draft_lengths else None
         if mode == GraphMode.EAGER:
             return
         device = state.seq_lens.device
@@ -118,6 +120,8 @@ class StepRunner:
         self._step, self._prefill = compiled("step", step_function), compiled("prefill", prefill_function)
         # Dynamo keeps one cache per function and tells these apart by backend, so each k has its own passes.
         self._steps_by_k = {k: compiled(f"step k={k}", step_function, k) for k in draft_lengths}
+        if self._plain_prefill is not None:
+            self._plain_prefill = compiled("prefill k=0", prefill_function, 0)
 
     def packages(self) -> tuple[list[str], list[str]]:
         """(compiled, loaded): the ahead-of-time packages (full on CPU) this runner has compiled and loaded."""
@@ -142,17 +146,18 @@ class StepRunner:
         return sum(f.export_traces for f in self._packaged())
 
     def _packaged(self) -> list[AheadOfTimeCompiled]:
-        functions = (self._step, self._prefill, *self._steps_by_k.values())
+        functions = (self._step, self._prefill, self._plain_prefill, *self._steps_by_k.values())
         return [f for f in functions if isinstance(f, AheadOfTimeCompiled)]
 
     def warm_up_call(self, kind: str, size: int, num_drafts: int | None) -> tuple:
         """(function, arguments) of the graph warm-up makes for a batch bucket (kind "step", with num_drafts None
-        for every draft slot) or a prefill bucket (kind "prefill", over slot 0)."""
+        for every draft slot) or a prefill bucket (kind "prefill", over slot 0; num_drafts 0: the plain prefill)."""
         if kind == "prefill":
             device = self.state.seq_lens.device
             slot = torch.zeros(1, dtype=torch.int64, device=device)
             prompt = torch.zeros(1, size, dtype=torch.int64, device=device)
-            return self._prefill, (slot, prompt, torch.ones(1, dtype=torch.int64, device=device))
+            args = (slot, prompt, torch.ones(1, dtype=torch.int64, device=device))
+            return (self._plain_prefill, (*args, 0)) if num_drafts == 0 else (self._prefill, args)
         if num_drafts is None or num_drafts == self.state.draft_tokens.shape[1]:
             return self._step, (size,)
         return self._steps_by_k[num_drafts], (size, num_drafts)
@@ -175,13 +180,18 @@ class StepRunner:
         return self._steps_by_k[num_drafts](*self.bound, batch_size, num_drafts)
 
     @torch.inference_mode()
-    def prefill(self, slot: torch.Tensor, prompt_ids: torch.Tensor, prompt_len: torch.Tensor):
+    def prefill(self, slot: torch.Tensor, prompt_ids: torch.Tensor, prompt_len: torch.Tensor,
+                num_drafts: int | None = None):
+        """A prefill that drafts every slot (num_drafts None or K) or none (0, with 0 among draft_lengths)."""
+        if num_drafts == 0 and self._plain_prefill is not None:
+            return self._plain_prefill(*self.bound, slot, prompt_ids, prompt_len, 0)
         return self._prefill(*self.bound, slot, prompt_ids, prompt_len)
 
     @torch.inference_mode()
-    def prefill_eager(self, slot: torch.Tensor, prompt_ids: torch.Tensor, prompt_len: torch.Tensor):
+    def prefill_eager(self, slot: torch.Tensor, prompt_ids: torch.Tensor, prompt_len: torch.Tensor,
+                      num_drafts: int | None = None):
         """A prefill in eager whatever the mode (a prompt longer than every prefill bucket, at its own length)."""
-        return self._eager_prefill(*self.bound, slot, prompt_ids, prompt_len)
+        return self._eager_prefill(*self.bound, slot, prompt_ids, prompt_len, num_drafts)
 
 
 def graphs_made(runner: StepRunner) -> int:

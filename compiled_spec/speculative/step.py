@@ -284,10 +284,16 @@ def prefill(
     slot: torch.Tensor,
     prompt_ids: torch.Tensor,
     prompt_len: torch.Tensor,
+    num_drafts: int | None = None,
 ) -> None:
     """Fills slot [1] from prompt_ids [1, T] (the first prompt_len [1] tokens are real) and samples the
-    first token and a draft for every draft slot. Sampling parameters and limits of the slot are set beforehand."""
-    k = draft_slots(state)
+    first token and a draft for every draft slot (num_drafts None or K), or none (0: plain prefill, which k = auto
+    runs while it decodes with k=0; the draft depths then hold no rows of this prompt). Sampling parameters and
+    limits of the slot are set beforehand."""
+    slots = draft_slots(state)
+    k = slots if num_drafts is None else num_drafts
+    if k not in (0, slots):
+        raise ValueError(f"num_drafts={k} is not supported in prefill; choose 0 or {slots}")
     width = prompt_ids.shape[1]
     positions = torch.arange(width, device=prompt_ids.device)[None, :]
     real = positions < prompt_len[:, None]
@@ -323,9 +329,10 @@ def prefill(
         )
         _write_rows(state.draft_tokens, slot, drafts)
         _write_rows(state.draft_probs, slot, draft_probs)
-        _write_rows(state.draft_counts, slot, torch.full_like(prompt_len, k))
         if carry is not None:
             _write_rows(state.carry_hidden, slot, carry)
+    if slots > 0:
+        _write_rows(state.draft_counts, slot, torch.full_like(prompt_len, k))
 
     _write_rows(state.pending_tokens, slot, first_token)
     _write_rows(state.seq_lens, slot, new_seq_len)
