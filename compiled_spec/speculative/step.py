@@ -76,8 +76,8 @@ def draft_slots(state: DecodeState) -> int:
 
 
 def state_writes(state: DecodeState, num_drafts: int | None = None) -> tuple[str, ...]:
-    """The DecodeState fields the step drafting num_drafts (default: every slot; prefill always does) updates
-    (checked by passes/state_mutation)."""
+    """The DecodeState fields the step or prefill drafting num_drafts (default: every slot) updates (checked by
+    passes/state_mutation)."""
     slots = draft_slots(state)
     k = depths = slots if num_drafts is None else num_drafts
     names = ["pending_tokens", "seq_lens", "generated", "done", "step_tokens", "step_emitted", "step_accepted"]
