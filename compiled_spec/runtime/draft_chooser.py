@@ -19,7 +19,7 @@ class DraftLengthChooser:
     def __init__(self, max_drafts: int, acceptance_decay: float = 0.98, switch_margin: float = 0.03):
         self.max_drafts = max_drafts
         self.switch_margin = switch_margin
-        self.chosen: dict[int, int] = {}  # bucket -> the k its last step ran
+        self.chosen: dict[int, int] = {}  # bucket -> the k last chosen for it from timed estimates
         self.acceptance = [1.0] * max_drafts  # optimistic until observed: calibration replaces it
         self.seconds: dict[tuple[int, int], float] = {}  # (bucket, k) -> seconds per step
         self.acceptance_decay = acceptance_decay
