@@ -15,6 +15,7 @@ from .config import ModelConfig
 from .errors import CompiledSpecError
 from .gguf_checkpoint import is_gguf, read_gguf
 from .model.causal_lm import CausalLM
+from .runtime.huge_pages import copies_on_huge_pages
 
 
 @dataclass(frozen=True)
@@ -280,7 +281,16 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str
         name: state[name].to(device=device, dtype=torch.float32 if name.endswith(keep_fp32) else dtype)
         for name in expected
     }
+    if torch.device(device).type == "cpu":
+        loaded = on_huge_pages(loaded)
     model.load_state_dict(loaded, assign=True, strict=True)
     if draft_vocab is not None:
         model.use_draft_vocab(draft_vocab.to(device))
     return model.eval().requires_grad_(False)
+
+
+def on_huge_pages(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The same tensors copied into one block of huge pages; a tensor under two names (tied) stays one tensor."""
+    unique = list({id(tensor): tensor for tensor in tensors.values()}.values())
+    copies = {id(tensor): copy for tensor, copy in zip(unique, copies_on_huge_pages(unique))}
+    return {name: copies[id(tensor)] for name, tensor in tensors.items()}

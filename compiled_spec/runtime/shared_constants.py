@@ -21,6 +21,8 @@ from pathlib import Path
 import torch
 from torch._inductor.codecache import AotCodeCompiler
 
+from compiled_spec.runtime.huge_pages import copies_on_huge_pages
+
 FOLDER = "constants"
 MANIFEST_NAME = "compiled_spec_constants.json"  # inside the package, beside the shared library
 
@@ -76,17 +78,23 @@ def store(folder: Path, constants: dict[str, torch.Tensor]) -> dict[str, str]:
 
 
 def load(folder: Path, manifest: dict[str, str]) -> dict[str, torch.Tensor]:
-    """{constant name: tensor} for a manifest, each digest read from disk once per process."""
-    tensors = {}
+    """{constant name: tensor} for a manifest, each digest read from disk once per process, into memory on huge
+    pages (huge_pages.py)."""
+    held, read = {}, {}  # strong references: _loaded is weak
     for name, key in manifest.items():
+        if key in held or key in read:
+            continue
         tensor = _loaded.get(key)
-        if tensor is None:
-            path = _path(folder, key)
-            if not path.exists():
-                raise FileNotFoundError(f"constant {name} of a package is missing from {path.parent} ({key})")
-            tensor = _loaded[key] = torch.load(path, weights_only=True)
-        tensors[name] = tensor
-    return tensors
+        if tensor is not None:
+            held[key] = tensor
+            continue
+        path = _path(folder, key)
+        if not path.exists():
+            raise FileNotFoundError(f"constant {name} of a package is missing from {path.parent} ({key})")
+        read[key] = torch.load(path, weights_only=True, mmap=True)
+    for key, tensor in zip(read, copies_on_huge_pages(list(read.values()))):
+        held[key] = _loaded[key] = tensor
+    return {name: held[key] for name, key in manifest.items()}
 
 
 def write_manifest(directory: Path, manifest: dict[str, str]) -> Path:
