@@ -40,6 +40,7 @@ def fixed_k_in_the_same_process(llm, prompt_ids: list, params, repeats: int) -> 
     """k = auto against each k it chooses from, forced, on the same engine and graphs in this process (tokens/s
     of separate processes differ by more than the chooser's margins on this kind of machine); runs interleaved,
     best of `repeats` each."""
+    from compiled_spec import SamplingParams
     from compiled_spec.runtime.draft_chooser import DraftLengthChooser
 
     class Forced(DraftLengthChooser):
@@ -57,6 +58,8 @@ def fixed_k_in_the_same_process(llm, prompt_ids: list, params, repeats: int) -> 
         for _ in range(repeats):
             for k in [*range(chooser.max_drafts + 1), "auto"]:
                 engine.chooser = chooser if k == "auto" else Forced(k)
+                # Untimed: a request is admitted with the k of the step before, which is now this run's own.
+                llm.generate(prompt_ids[:1], SamplingParams(max_tokens=2, ignore_eos=True))
                 start = time.perf_counter()
                 outputs = llm.generate(prompt_ids, params)
                 rate = sum(len(o.token_ids) for o in outputs) / (time.perf_counter() - start)

@@ -111,7 +111,7 @@ def test_compiled_auto_switches_without_recompiling(prompts, plain_tokens, eager
     with torch.compiler.set_stance("fail_on_recompile"):
         outputs = llm.generate(texts, GREEDY)
     assert graphs_made(llm.engine.runner) == after_warm_up
-    assert set(prefill_drafts) == {0, K}  # after a k=0 step a request is admitted by the plain prefill graph
+    assert set(prefill_drafts) == set(range(K + 1))  # each request is admitted with the k of the step before
     assert [o.token_ids for o in outputs] == plain_tokens
     assert lane_counts(records) == lane_counts(eager_switching[1])
 
@@ -139,6 +139,22 @@ def test_a_step_drafting_k_runs_depths_up_to_k_only(prompts):
     decoded = slice(len(prompt), verified_rows)  # rows past the prompt: prefill wrote every depth before them
     assert depth2_full[decoded].abs().amax(-1).min() > 0
     assert depth2_lean[decoded].abs().max() == 0
+
+
+def test_a_request_is_admitted_with_the_k_auto_decodes_with(prompts, plain_tokens):
+    """Holding k=1, auto prefills with one draft: depth 1 writes the prompt's rows, depth 2 none at all."""
+    path, texts = prompts
+    llm = LLM(path, graph_mode="eager", **ENGINE)
+    llm.engine.chooser = ScheduledChooser([1])
+    llm.generate([texts[0]], SamplingParams(max_tokens=3, ignore_eos=True))  # the last step now drafted 1
+    state = llm.engine.state
+    for cache in state.draft_keys + state.draft_values:
+        cache.zero_()
+    outputs = llm.generate([texts[4]], GREEDY)
+    assert outputs[0].token_ids == plain_tokens[4]
+    assert outputs[0].stats.steps_per_num_drafts == {1: outputs[0].stats.steps}
+    assert state.draft_keys[0].abs().amax(-1).gt(0).sum() >= len(texts[4])
+    assert state.draft_keys[1].abs().max() == 0 and state.draft_values[1].abs().max() == 0
 
 
 def test_auto_with_drafts_that_are_never_accepted_chooses_k0(tiny_checkpoint):

@@ -113,13 +113,11 @@ class Engine:
         return list(range(self.k + 1)) if self.chooser else [None]
 
     def warm_up_graphs(self, runner: StepRunner | None = None) -> list[tuple[str, int, int | None]]:
-        """(kind, size, k) of every graph warm-up makes for `runner` (default: this engine's): each batch bucket (for
-        every k with auto, else k None, every draft slot) and each prefill bucket if the runner compiles prefill (with
-        auto also its plain prefill, k=0)."""
+        """(kind, size, k) of every graph warm-up makes for `runner` (default: this engine's): each batch bucket and,
+        if the runner compiles prefill, each prefill bucket, for every k with auto (else k None: every draft slot)."""
         graphs = [("step", size, k) for size in reversed(self.batch_buckets) for k in self.draft_lengths()]
         if (runner or self.runner).compiles_prefill:
-            prefills = [None, 0] if self.chooser and self.k > 0 else [None]
-            graphs += [("prefill", size, k) for size in reversed(self.prefill_buckets) for k in prefills]
+            graphs += [("prefill", size, k) for size in reversed(self.prefill_buckets) for k in self.draft_lengths()]
         return graphs
 
     def warm_up(self, show_progress: bool = True) -> None:
@@ -327,9 +325,9 @@ class Engine:
         return finished
 
     def _prefill_drafts(self) -> int:
-        """K, or 0 with auto when its last step drafted none: drafts that no step would verify cost a prefill as much
-        as K draft depths over the prompt (which then hold none of its rows)."""
-        return 0 if self.chooser and self.last_num_drafts == 0 else self.k
+        """K, or with auto the k of its last step: drafts past the k the next step verifies would cost a prefill
+        one draft depth over the prompt each (the depths past k then hold none of its rows)."""
+        return self.last_num_drafts if self.chooser and self.last_num_drafts is not None else self.k
 
     def step(self, on_tokens: TokenCallback | None = None) -> StepRecord:
         """One speculative step over every admitted request; finished requests leave their slots."""

@@ -81,9 +81,9 @@ class StepRunner:
         prefill_function=prefill,
         draft_lengths: tuple[int, ...] = (),
     ):
-        """draft_lengths: the k values below the state's draft slots K that step(batch_size, k) is called with
-        (k = auto); each k is a graph of its own, with the writes it makes checked by its own passes. With k=0 among
-        them, prefill(..., num_drafts=0) is a graph too: the plain prefill auto admits with while it decodes at k=0."""
+        """draft_lengths: the k values below the state's draft slots K that step(batch_size, k) and
+        prefill(..., num_drafts=k) are called with (k = auto admits a request with the k it decodes with); each k
+        of each is a graph of its own, with the writes it makes checked by its own passes."""
         self.mode = mode
         self.state = state
         self.draft_lengths = draft_lengths
@@ -96,7 +96,7 @@ class StepRunner:
         self._step, self._prefill = step_function, prefill_function
         self._eager_prefill = prefill_function
         self._steps_by_k: dict[int, object] = {k: step_function for k in draft_lengths}
-        self._plain_prefill = prefill_function if 0 in draft_lengths else None
+        self._prefills_by_k: dict[int, object] = {k: prefill_function for k in draft_lengths}
         if mode == GraphMode.EAGER:
             return
         device = state.seq_lens.device
@@ -120,8 +120,7 @@ class StepRunner:
         self._step, self._prefill = compiled("step", step_function), compiled("prefill", prefill_function)
         # Dynamo keeps one cache per function and tells these apart by backend, so each k has its own passes.
         self._steps_by_k = {k: compiled(f"step k={k}", step_function, k) for k in draft_lengths}
-        if self._plain_prefill is not None:
-            self._plain_prefill = compiled("prefill k=0", prefill_function, 0)
+        self._prefills_by_k = {k: compiled(f"prefill k={k}", prefill_function, k) for k in draft_lengths}
 
     def packages(self) -> tuple[list[str], list[str]]:
         """(compiled, loaded): the ahead-of-time packages (full on CPU) this runner has compiled and loaded."""
@@ -146,18 +145,20 @@ class StepRunner:
         return sum(f.export_traces for f in self._packaged())
 
     def _packaged(self) -> list[AheadOfTimeCompiled]:
-        functions = (self._step, self._prefill, self._plain_prefill, *self._steps_by_k.values())
+        functions = (self._step, self._prefill, *self._steps_by_k.values(), *self._prefills_by_k.values())
         return [f for f in functions if isinstance(f, AheadOfTimeCompiled)]
 
     def warm_up_call(self, kind: str, size: int, num_drafts: int | None) -> tuple:
-        """(function, arguments) of the graph warm-up makes for a batch bucket (kind "step", with num_drafts None
-        for every draft slot) or a prefill bucket (kind "prefill", over slot 0; num_drafts 0: the plain prefill)."""
+        """(function, arguments) of the graph warm-up makes for a batch bucket (kind "step") or a prefill bucket
+        (kind "prefill", over slot 0) that drafts num_drafts: None or K (every draft slot), or one of draft_lengths."""
         if kind == "prefill":
             device = self.state.seq_lens.device
             slot = torch.zeros(1, dtype=torch.int64, device=device)
             prompt = torch.zeros(1, size, dtype=torch.int64, device=device)
             args = (slot, prompt, torch.ones(1, dtype=torch.int64, device=device))
-            return (self._plain_prefill, (*args, 0)) if num_drafts == 0 else (self._prefill, args)
+            if num_drafts is None or num_drafts == self.state.draft_tokens.shape[1]:
+                return self._prefill, args
+            return self._prefills_by_k[num_drafts], (*args, num_drafts)
         if num_drafts is None or num_drafts == self.state.draft_tokens.shape[1]:
             return self._step, (size,)
         return self._steps_by_k[num_drafts], (size, num_drafts)
@@ -182,10 +183,10 @@ class StepRunner:
     @torch.inference_mode()
     def prefill(self, slot: torch.Tensor, prompt_ids: torch.Tensor, prompt_len: torch.Tensor,
                 num_drafts: int | None = None):
-        """A prefill that drafts every slot (num_drafts None or K) or none (0, with 0 among draft_lengths)."""
-        if num_drafts == 0 and self._plain_prefill is not None:
-            return self._plain_prefill(*self.bound, slot, prompt_ids, prompt_len, 0)
-        return self._prefill(*self.bound, slot, prompt_ids, prompt_len)
+        """A prefill that drafts num_drafts tokens: None or K (every draft slot), or one of draft_lengths."""
+        if num_drafts is None or num_drafts == self.state.draft_tokens.shape[1]:
+            return self._prefill(*self.bound, slot, prompt_ids, prompt_len)
+        return self._prefills_by_k[num_drafts](*self.bound, slot, prompt_ids, prompt_len, num_drafts)
 
     @torch.inference_mode()
     def prefill_eager(self, slot: torch.Tensor, prompt_ids: torch.Tensor, prompt_len: torch.Tensor,

@@ -287,13 +287,13 @@ def prefill(
     num_drafts: int | None = None,
 ) -> None:
     """Fills slot [1] from prompt_ids [1, T] (the first prompt_len [1] tokens are real) and samples the
-    first token and a draft for every draft slot (num_drafts None or K), or none (0: plain prefill, which k = auto
-    runs while it decodes with k=0; the draft depths then hold no rows of this prompt). Sampling parameters and
-    limits of the slot are set beforehand."""
+    first token and num_drafts drafts (default: every draft slot). k = auto admits with the k it decodes with:
+    draft depths past it then hold no rows of this prompt (0: a plain prefill, which runs no draft depth).
+    Sampling parameters and limits of the slot are set beforehand."""
     slots = draft_slots(state)
     k = slots if num_drafts is None else num_drafts
-    if k not in (0, slots):
-        raise ValueError(f"num_drafts={k} is not supported in prefill; choose 0 or {slots}")
+    if not 0 <= k <= slots:
+        raise ValueError(f"num_drafts={k} is out of range; this state has 0..{slots} draft slots")
     width = prompt_ids.shape[1]
     positions = torch.arange(width, device=prompt_ids.device)[None, :]
     real = positions < prompt_len[:, None]
@@ -327,10 +327,10 @@ def prefill(
             next_position=new_seq_len,
             k=k,
         )
-        _write_rows(state.draft_tokens, slot, drafts)
-        _write_rows(state.draft_probs, slot, draft_probs)
+        _write_leading(state.draft_tokens, slot, drafts)
+        _write_leading(state.draft_probs, slot, draft_probs)
         if carry is not None:
-            _write_rows(state.carry_hidden, slot, carry)
+            _write_leading(state.carry_hidden, slot, carry)
     if slots > 0:
         _write_rows(state.draft_counts, slot, torch.full_like(prompt_len, k))
 
