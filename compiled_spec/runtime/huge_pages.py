@@ -1,10 +1,9 @@
 """Copies of tensors in one block of memory advised to the kernel for transparent huge pages.
 
-A decode step streams every weight once. On 4 KiB pages, where each weight lands in the cache depends on the
-physical pages a process happened to get, so the same package ran at different speeds in different processes
-(default model, full, k=2, batch 1, six fresh processes each: 1168-1324 tok/s on 4 KiB pages, 1351-1409 on huge
-pages). Where the kernel offers no huge pages (THP 'never'), the block is plain memory and nothing changes.
-"""
+A decode step streams every weight once; on 2 MiB pages it takes far fewer TLB misses to do so. Measured on a
+2-core EPYC VM (THP 'madvise'): a sum over 540 MB read 34-37 GB/s on huge pages against 29-32 on 4 KiB pages,
+and the default model's full k=2 batch-1 step made about 2% more tokens/s (README, "Weights on huge pages").
+Where the kernel offers no huge pages (THP 'never'), the block is plain memory and nothing changes."""
 
 from __future__ import annotations
 
