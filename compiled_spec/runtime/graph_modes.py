@@ -148,6 +148,10 @@ class StepRunner:
         functions = (self._step, self._prefill, *self._steps_by_k.values(), *self._prefills_by_k.values())
         return [f for f in functions if isinstance(f, AheadOfTimeCompiled)]
 
+    def _every_slot(self, num_drafts: int | None) -> bool:
+        """Whether num_drafts (None: the default) is every draft slot, K: the step and prefill graphs, not a k's."""
+        return num_drafts is None or num_drafts == self.state.draft_tokens.shape[1]
+
     def warm_up_call(self, kind: str, size: int, num_drafts: int | None) -> tuple:
         """(function, arguments) of the graph warm-up makes for a batch bucket (kind "step") or a prefill bucket
         (kind "prefill", over slot 0) that drafts num_drafts: None or K (every draft slot), or one of draft_lengths."""
@@ -156,10 +160,10 @@ class StepRunner:
             slot = torch.zeros(1, dtype=torch.int64, device=device)
             prompt = torch.zeros(1, size, dtype=torch.int64, device=device)
             args = (slot, prompt, torch.ones(1, dtype=torch.int64, device=device))
-            if num_drafts is None or num_drafts == self.state.draft_tokens.shape[1]:
+            if self._every_slot(num_drafts):
                 return self._prefill, args
             return self._prefills_by_k[num_drafts], (*args, num_drafts)
-        if num_drafts is None or num_drafts == self.state.draft_tokens.shape[1]:
+        if self._every_slot(num_drafts):
             return self._step, (size,)
         return self._steps_by_k[num_drafts], (size, num_drafts)
 
@@ -176,7 +180,7 @@ class StepRunner:
     @torch.inference_mode()
     def step(self, batch_size: int, num_drafts: int | None = None):
         """One step that drafts num_drafts tokens: None or K (every draft slot), or one of draft_lengths."""
-        if num_drafts is None or num_drafts == self.state.draft_tokens.shape[1]:
+        if self._every_slot(num_drafts):
             return self._step(*self.bound, batch_size)
         return self._steps_by_k[num_drafts](*self.bound, batch_size, num_drafts)
 
@@ -184,7 +188,7 @@ class StepRunner:
     def prefill(self, slot: torch.Tensor, prompt_ids: torch.Tensor, prompt_len: torch.Tensor,
                 num_drafts: int | None = None):
         """A prefill that drafts num_drafts tokens: None or K (every draft slot), or one of draft_lengths."""
-        if num_drafts is None or num_drafts == self.state.draft_tokens.shape[1]:
+        if self._every_slot(num_drafts):
             return self._prefill(*self.bound, slot, prompt_ids, prompt_len)
         return self._prefills_by_k[num_drafts](*self.bound, slot, prompt_ids, prompt_len, num_drafts)
 
