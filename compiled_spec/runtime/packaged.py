@@ -170,14 +170,9 @@ def model_digest(model, constants) -> str:
     digest = hashlib.sha256(repr((type(model).__qualname__, getattr(model, "config", None))).encode())
     for name, value in list(model.state_dict().items()) + list(constants._asdict().items()):
         digest.update(repr(name).encode() + b"\0")
-        digest.update(_tensor_bytes(value) if isinstance(value, torch.Tensor) else repr(value).encode())
+        digest.update((shared_constants.digest(value) if isinstance(value, torch.Tensor) else repr(value)).encode())
         digest.update(b"\0")
     return digest.hexdigest()
-
-
-def _tensor_bytes(tensor: torch.Tensor) -> bytes:
-    flat = tensor.detach().cpu().contiguous().reshape(-1)
-    return repr((tensor.shape, tensor.dtype)).encode() + hashlib.sha256(flat.view(torch.uint8).numpy()).digest()
 
 
 @functools.cache

@@ -54,8 +54,10 @@ def left_out_of_the_library():
 
 
 def digest(tensor: torch.Tensor) -> str:
+    """sha256 of a tensor's dtype, shape, strides and bytes: the key a constant is stored under, and what
+    packaged.model_digest hashes each weight by."""
     hasher = hashlib.sha256(repr((tensor.dtype, tuple(tensor.shape), tensor.stride())).encode())
-    hasher.update(tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy())
+    hasher.update(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
     return hasher.hexdigest()
 
 
