@@ -59,10 +59,35 @@ def attend_with_cache(
     else:
         keys, values = key_cache[slot_ids], value_cache[slot_ids]
     keys, values = keys.to(q.dtype), values.to(q.dtype)  # a compact HiSparse cold pool is widened to read
+    if torch.compiler.is_compiling() and q.device.type == "cpu" and q.shape[1] <= COMPILED_ATTENTION_MAX_ROWS:
+        return grouped_attention(q, keys, values, attend)
     out = F.scaled_dot_product_attention(
         q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), attn_mask=attend, enable_gqa=True
     )
     return out.transpose(1, 2)
+
+
+# Compiled CPU passes of at most this many rows per sequence (k <= 2 steps' verify and first draft windows) attend
+# with grouped_attention; longer ones, eager and CUDA with SDPA, whose CPU kernel was faster from about 4-6 rows on
+# (README). Not measured on CUDA.
+COMPILED_ATTENTION_MAX_ROWS = 3
+
+
+def grouped_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, attend: torch.Tensor) -> torch.Tensor:
+    """SDPA for q [B, T, heads, D] over keys, values [B, S, kv_heads, D] where attend [B, 1, T, S], written as
+    products and sums, which inductor compiles into loops over the cache without copying it per query head.
+
+    In eager this materializes a [B, T, S, heads, D] product; compiled, it replaced SDPA's CPU kernel for a few
+    query rows, which spent about 6x the time of reading the cache (README "Attention in compiled decode passes").
+    """
+    batch, length, heads, dim = q.shape
+    kv_heads = keys.shape[2]
+    grouped = q.reshape(batch, length, 1, kv_heads, heads // kv_heads, dim)
+    scores = (grouped * keys[:, None, :, :, None, :]).sum(-1) * dim**-0.5  # [B, T, S, kv_heads, group]
+    scores = scores.masked_fill(~attend[:, 0, :, :, None, None], float("-inf"))
+    weights = scores.softmax(dim=2)
+    out = (weights[..., None] * values[:, None, :, :, None, :]).sum(2)  # [B, T, kv_heads, group, D]
+    return out.reshape(batch, length, heads, dim)
 
 
 @torch.library.custom_op("compiled_spec::cached_attention", mutates_args=("key_cache", "value_cache"))
