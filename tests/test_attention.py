@@ -54,5 +54,5 @@ def attention_ops_compiled(length: int) -> set[str]:
 
 
 def test_compiled_decode_passes_use_grouped_attention_and_longer_passes_sdpa():
-    assert attention_ops_compiled(3) == set()
+    assert attention_ops_compiled(COMPILED_ATTENTION_MAX_ROWS) == set()
     assert attention_ops_compiled(COMPILED_ATTENTION_MAX_ROWS + 1) != set()
