@@ -18,7 +18,7 @@ def tiny_config(tmp_path, base) -> dict:
     config = load_config(None, {"model": str(base), "work_dir": str(tmp_path / "work"),
                                 "output_dir": str(tmp_path / "mtp"), "draft_vocab_size": 96})
     config["corpus"].update(domains=["code", "chat"], code_chars=24000, prompts={"code": 24, "chat": 8},
-                            prompt_tokens=24, held_out_prompts=4, generate_batch_size=16)
+                            function_prompts=8, prompt_tokens=24, held_out_prompts=4, generate_batch_size=16)
     config["training"].update(num_threads=1, sequence_length=128, batch_size=8, max_steps=40, warmup_steps=4,
                               learning_rate=3e-3, log_every=1, eval_every=20, eval_windows=4, checkpoint_every=10,
                               distill_fraction=0.5)
@@ -45,6 +45,9 @@ def test_train_mtp_learns_the_base_models_predictions_resumes_and_attaches(tmp_p
     assert (out / "loss_curve.png").stat().st_size > 0
     first, final = log["history"]["validation"][0], log["final_validation"]
     assert [row["step"] for row in log["history"]["validation"]] == [20, 40]
+    # Code: 24 line prompts and 8 ending with a def line, train and held out alike.
+    assert log["train_tokens"] == {"code": (24 + 8) * 128, "chat": 8 * 128}
+    assert log["held_out_tokens"] == {"code": (4 + 4) * 128, "chat": 4 * 128}
     train_rows = log["history"]["train"]
     for depth in range(2):
         early = sum(row["loss_per_depth"][depth] for row in train_rows[:3]) / 3
@@ -117,5 +120,35 @@ def test_self_generated_windows_read_as_decoding_reads_them_and_resume(tmp_path)
     assert torch.equal(self_generated_windows(base, prompts[:2], length, 2, cache, "fewer", "key")["ids"],
                        fresh["ids"][:2])
     assert sum(counted) == 10
-    self_generated_windows(base, prompts, length, 2, cache, "another base", "another key")
+    # Shorter windows are cut from the longer cached ones, without the base model, and equal generating them.
+    shorter = max(len(p) for p in prompts) + 6
+    cut = self_generated_windows(base, prompts, shorter, 2, cache, "shorter", "key")
+    assert sum(counted) == 10
+    fresh_short = self_generated_windows(base, prompts, shorter, 2, tmp_path / "fresh_short.pt", "fresh", "key")
     assert sum(counted) == 15
+    assert cut["ids"].shape == (len(prompts), shorter)
+    assert torch.equal(cut["ids"], fresh_short["ids"]) and torch.equal(cut["greedy"], fresh_short["greedy"])
+    torch.testing.assert_close(cut["hidden"], fresh_short["hidden"], rtol=1e-5, atol=1e-5)
+    # With no prompt to add, the cache is not written: it still holds the longer windows.
+    assert torch.equal(self_generated_windows(base, prompts, length, 2, cache, "longer", "key")["ids"], fresh["ids"])
+    assert sum(counted) == 15
+    self_generated_windows(base, prompts, length, 2, cache, "another base", "another key")
+    assert sum(counted) == 20
+
+
+def test_function_prompts_end_with_a_def_line_and_grow_stably(tmp_path):
+    from compiled_spec.tokenizer import load_tokenizer
+    from compiled_spec.training.mtp_corpus import DEF_LINE, code_texts, line_prompts
+
+    def ends_with_a_def_line(ids):
+        text = tokenizer.decode(ids)
+        return DEF_LINE.fullmatch(text[text.rstrip("\n").rfind("\n") + 1:]) is not None
+
+    tokenizer = load_tokenizer(write_chat_model(tmp_path / "base"))
+    train, _ = code_texts(200_000, 10)
+    prompts = line_prompts(train, 12, 48, tokenizer, seed=1, ends=DEF_LINE)
+    assert len(prompts) == 12 and all(24 <= len(p) <= 48 for p in prompts)
+    assert all(ends_with_a_def_line(p) for p in prompts), [tokenizer.decode(p)[-80:] for p in prompts]
+    assert line_prompts(train, 5, 48, tokenizer, seed=1, ends=DEF_LINE) == prompts[:5]
+    # Without `ends`, prompts end at any line end.
+    assert sum(map(ends_with_a_def_line, line_prompts(train, 12, 48, tokenizer, seed=1))) < 6

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 from pathlib import Path
 
 from ..api import LLM
@@ -19,9 +18,7 @@ from ..chat import chat_prompt
 from ..checkpoint import MTP_CONFIG_NAME
 from ..params import SamplingParams
 from .evaluate import generate_with_stats
-from .mtp_corpus import chat_prompts, held_out_code_files, prose_texts
-
-DEF_LINE = re.compile(r"^    def \w+\(.*\):\n|^def \w+\(.*\):\n", re.MULTILINE)
+from .mtp_corpus import DEF_LINE, chat_prompts, held_out_code_files, prose_texts
 
 
 def held_out_prompts(config: dict, tokenizer, per_domain: int) -> dict[str, list[str]]:
@@ -62,7 +59,8 @@ def main() -> None:
     parser.add_argument("--model", default=None, help="the base model (default: the one the modules were trained on)")
     parser.add_argument("-k", type=int, default=3)
     parser.add_argument("--draft-vocab", default=None, help="comma-separated sizes (default: the trained size)")
-    parser.add_argument("--prompts", type=int, default=8, help="held-out prompts per domain")
+    parser.add_argument("--prompts", type=int, default=32,
+                        help="held-out prompts per domain (8 were too few to rank two trained module sets)")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--graph-mode", default="eager",
                         help="acceptance is the same in every mode; eager starts at once (full compiles first)")

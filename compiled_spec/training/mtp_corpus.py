@@ -10,6 +10,7 @@ from __future__ import annotations
 import bisect
 import itertools
 import random
+import re
 import sysconfig
 import zlib
 from pathlib import Path
@@ -61,6 +62,8 @@ MORE_CHAT_TOPICS = (
     "sorting a list in Python", "the design of chairs", "probability", "mountain climbing",
     "the Japanese tea ceremony", "graph algorithms", "recycling",
 )
+# A function's `def` line, at module level or in a class: a code prompt ending with one asks the model for the body.
+DEF_LINE = re.compile(r"^    def \w+\(.*\):\n|^def \w+\(.*\):\n", re.MULTILINE)
 HELD_OUT_CHAT_TOPICS = (
     "the moon landing", "making tea", "linked lists", "the immune system", "budget travel", "earthquakes",
     "chess openings", "version control with git",
@@ -116,9 +119,11 @@ def chat_prompts(held_out: bool) -> list[str]:
             for templates in (CHAT_TEMPLATES, MORE_CHAT_TEMPLATES) for topic in topics for template in templates]
 
 
-def line_prompts(texts: list[str], count: int, max_tokens: int, tokenizer, seed: int) -> list[list[int]]:
+def line_prompts(texts: list[str], count: int, max_tokens: int, tokenizer, seed: int,
+                 ends: re.Pattern | None = None) -> list[list[int]]:
     """`count` prompts of at most max_tokens tokens (at least half that), each ending at a line end of one of the
-    texts, at places drawn uniformly over all their characters. The first n of a larger count are the same n."""
+    texts (or, with `ends`, at the end of the pattern's next match), at places drawn uniformly over all their
+    characters. The first n of a larger count are the same n."""
     rng = random.Random(seed)
     starts = list(itertools.accumulate((len(text) for text in texts), initial=0))
     total = starts.pop()
@@ -130,7 +135,11 @@ def line_prompts(texts: list[str], count: int, max_tokens: int, tokenizer, seed:
         offset = rng.randrange(total)
         index = bisect.bisect_right(starts, offset) - 1
         text = texts[index]
-        end = text.find("\n", offset - starts[index]) + 1
+        if ends is None:
+            end = text.find("\n", offset - starts[index]) + 1
+        else:
+            match = ends.search(text, offset - starts[index])
+            end = match.end() if match else 0
         if end == 0:
             continue
         ids = tokenizer.encode(text[max(0, end - 8 * max_tokens):end], add_special_tokens=False)[-max_tokens:]

@@ -65,8 +65,10 @@ def continue_batch(base, prompts: list[list[int]], length: int) -> dict[str, tor
 def self_generated_windows(base, prompts: list[list[int]], length: int, batch_size: int, cache_file: Path,
                            description: str, base_key: str) -> dict[str, torch.Tensor]:
     """continue_batch over every prompt, saved to cache_file after each batch. A cache that starts with the same
-    prompts (a run that stopped, a corpus that grew or shrank) is kept and only the rest is generated; one made
-    with another base model (base_key) or window length starts over."""
+    prompts (a run that stopped, a corpus that grew or shrank) is kept and only the rest is generated. Longer
+    cached windows are cut to `length`: each row depends only on the rows before it, so that is what generating
+    to `length` gives (the file keeps them long until a new prompt is added). One made with another base model
+    (base_key) or shorter windows starts over."""
     longest = max((len(prompt) for prompt in prompts), default=0)
     if not 0 < longest < length:
         raise ValueError(f"{description}: prompts of up to {longest} tokens need windows longer than that; "
@@ -76,8 +78,10 @@ def self_generated_windows(base, prompts: list[list[int]], length: int, batch_si
     if cache_file.is_file():
         cached = torch.load(cache_file)
         known = cached["prompts"][: len(prompts)]
-        if (cached["base"], cached["length"]) == (base_key, length) and prompts[: len(known)] == known:
-            done = {key: cached[key][: len(known)] for key in ("ids", "hidden", "greedy")}
+        if cached["base"] == base_key and cached["length"] >= length and prompts[: len(known)] == known:
+            done = {key: cached[key][: len(known), :length] for key in ("ids", "hidden", "greedy")}
+            if cached["length"] > length:
+                done["hidden"] = done["hidden"].clone()  # saved alone, not as a view of the longer windows
         else:
             known = []
     with tqdm(total=len(prompts), initial=len(known), desc=description, unit="prompt") as bar:

@@ -30,7 +30,7 @@ from ..checkpoint import MTP_CONFIG_NAME, MTP_WEIGHTS_NAME, read_checkpoint
 from ..registry import resolve_model
 from ..tokenizer import load_tokenizer
 from . import loop
-from .mtp_corpus import DOMAINS, chat_prompts, code_texts, line_prompts, prose_texts
+from .mtp_corpus import DEF_LINE, DOMAINS, chat_prompts, code_texts, line_prompts, prose_texts
 from .mtp_reference import DECODER_CLASSES, export_mtp_state_dict, mtp_chain, mtp_layers
 from .self_generated import self_generated_windows
 
@@ -63,7 +63,8 @@ def load_base(path: Path):
 
 def domain_prompts(config: dict, tokenizer, work_dir: Path) -> dict[str, tuple[list[list[int]], list[list[int]]]]:
     """{domain: (train prompts, held-out prompts)} as token ids, for the domains the config names: lines of code
-    and of plays ending at a line end, and chat prompts in the model's chat template."""
+    and of plays ending at a line end, then (corpus.function_prompts) code ending with a `def` line, and chat
+    prompts in the model's chat template."""
     from ..chat import chat_prompt
 
     corpus = config["corpus"]
@@ -78,6 +79,12 @@ def domain_prompts(config: dict, tokenizer, work_dir: Path) -> dict[str, tuple[l
                 train, held_out = prose_texts(work_dir, corpus["prose_held_out_works"], corpus["prose_chars"])
             out[domain] = (line_prompts(train, counts[domain], length, tokenizer, config["seed"]),
                            line_prompts(held_out, held_out_count, length, tokenizer, config["seed"]))
+            functions = corpus.get("function_prompts", 0) if domain == "code" else 0
+            if functions:
+                # After the line prompts, so the cached windows of those are kept.
+                out[domain] = tuple(
+                    prompts + line_prompts(texts, count, length, tokenizer, config["seed"] + 1, ends=DEF_LINE)
+                    for prompts, texts, count in zip(out[domain], (train, held_out), (functions, held_out_count)))
         elif domain == "chat":
             def templated(questions):
                 return [tokenizer.encode(chat_prompt(tokenizer, [{"role": "user", "content": q}]),
