@@ -77,14 +77,15 @@ def domain_prompts(config: dict, tokenizer, work_dir: Path) -> dict[str, tuple[l
                 train, held_out = code_texts(corpus["code_chars"], corpus["code_held_out_percent"])
             else:
                 train, held_out = prose_texts(work_dir, corpus["prose_held_out_works"], corpus["prose_chars"])
-            out[domain] = (line_prompts(train, counts[domain], length, tokenizer, config["seed"]),
-                           line_prompts(held_out, held_out_count, length, tokenizer, config["seed"]))
-            functions = corpus.get("function_prompts", 0) if domain == "code" else 0
-            if functions:
+            train_prompts = line_prompts(train, counts[domain], length, tokenizer, config["seed"])
+            held_out_prompts = line_prompts(held_out, held_out_count, length, tokenizer, config["seed"])
+            if domain == "code" and corpus.get("function_prompts", 0):
                 # After the line prompts, so the cached windows of those are kept.
-                out[domain] = tuple(
-                    prompts + line_prompts(texts, count, length, tokenizer, config["seed"] + 1, ends=DEF_LINE)
-                    for prompts, texts, count in zip(out[domain], (train, held_out), (functions, held_out_count)))
+                train_prompts += line_prompts(train, corpus["function_prompts"], length, tokenizer,
+                                              config["seed"] + 1, ends=DEF_LINE)
+                held_out_prompts += line_prompts(held_out, held_out_count, length, tokenizer, config["seed"] + 1,
+                                                 ends=DEF_LINE)
+            out[domain] = (train_prompts, held_out_prompts)
         elif domain == "chat":
             def templated(questions):
                 return [tokenizer.encode(chat_prompt(tokenizer, [{"role": "user", "content": q}]),
