@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import re
+
 import torch
 from torch._inductor.codegen.common import KernelTemplate
 
 from compiled_spec.config import GraphMode
 from compiled_spec.runtime.graph_modes import inductor_options, spec_backend
+from compiled_spec.runtime import inductor_compile_time
 from compiled_spec.runtime.inductor_compile_time import REALIZE_OPCOUNT_THRESHOLD
 from compiled_spec.speculative import rng
 from passes import SpecPassManager
@@ -33,3 +36,40 @@ def test_the_sampler_hash_compiled_with_early_realization_equals_eager():
     seeds = torch.tensor([0, 2**40 + 7, 2**63 - 1])
     positions = torch.arange(12).view(3, 4)
     assert torch.equal(compiled(seeds, positions), draw(seeds, positions))
+
+
+def test_gemm_kernels_of_one_graph_share_each_micro_gemm_and_compute_as_eager(monkeypatch, tmp_path):
+    sources = []
+
+    def recorded(kernel_code):
+        sources.append((kernel_code, inductor_compile_time_share(kernel_code)))
+        return sources[-1][1]
+
+    inductor_compile_time_share = inductor_compile_time.share_micro_gemms
+    monkeypatch.setattr(inductor_compile_time, "share_micro_gemms", recorded)
+    torch.manual_seed(0)
+    # Three GEMMs of three shapes over 4 rows: the C++ GEMM template renders each as its own kernel, and two of them
+    # block their output columns alike.
+    mlp = torch.nn.Sequential(torch.nn.Linear(128, 256, bias=False), torch.nn.Linear(256, 128, bias=False),
+                              torch.nn.Linear(128, 384, bias=False)).eval()
+    rows = torch.randn(4, 128)
+    with torch.no_grad():
+        exported = torch.export.export(mlp, (rows,))
+        package = torch._inductor.aoti_compile_and_package(
+            exported, package_path=str(tmp_path / "mlp.pt2"),
+            inductor_configs=inductor_options(GraphMode.FULL, torch.device("cpu")))
+        compiled = torch._inductor.aoti_load_package(package)(rows)
+        expected = mlp(rows)
+
+    (original, shared), = sources
+    kernels_before = re.findall(r"inline void (\w+)_micro_gemm_kernel\(", original)
+    kernels_after = re.findall(r"inline void (\w+)_micro_gemm_kernel\(", shared)
+    blockings = set(re.findall(r"constexpr int64_t Mr = (\d+);\s*constexpr int64_t Nr = (\d+);\s*"
+                               r"constexpr int64_t Kr = (\d+);", original))
+    assert len(kernels_before) == 3
+    assert len(blockings) == 2
+    assert len(kernels_after) == len(blockings) and all(kernel.startswith("shared_") for kernel in kernels_after)
+    assert not any(f"{kernel}_micro_gemm" in shared for kernel in kernels_before)
+    # Each GEMM kernel calls a shared definition (twice: the first K block, then accumulating).
+    assert sum(shared.count(f"{kernel}_micro_gemm<") for kernel in kernels_after) == 2 * len(kernels_before)
+    torch.testing.assert_close(compiled, expected, rtol=1e-5, atol=1e-5)

@@ -30,13 +30,14 @@ from ..model.causal_lm import CausalLM
 from ..speculative.state import DecodeState
 from ..speculative.step import StepConstants, prefill, speculative_step, state_writes
 from . import shared_constants
-from .inductor_compile_time import REALIZE_OPCOUNT_THRESHOLD, keep_parsed_kernel_templates
+from .inductor_compile_time import REALIZE_OPCOUNT_THRESHOLD, compile_shared_micro_gemms, keep_parsed_kernel_templates
 from .packaged import AheadOfTimeCompiled, model_digest
 
 # Every bucket of every engine in a process is a separate specialization of the same functions.
 torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 512)
 torch._dynamo.config.accumulated_recompile_limit = max(torch._dynamo.config.accumulated_recompile_limit, 4096)
 keep_parsed_kernel_templates()
+compile_shared_micro_gemms()
 
 
 def inductor_options(mode: GraphMode, device: torch.device) -> dict:
