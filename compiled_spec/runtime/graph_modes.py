@@ -30,13 +30,19 @@ from ..model.causal_lm import CausalLM
 from ..speculative.state import DecodeState
 from ..speculative.step import StepConstants, prefill, speculative_step, state_writes
 from . import shared_constants
-from .inductor_compile_time import REALIZE_OPCOUNT_THRESHOLD, compile_shared_micro_gemms, keep_parsed_kernel_templates
+from .inductor_compile_time import (
+    REALIZE_OPCOUNT_THRESHOLD,
+    compile_shared_micro_gemms,
+    keep_parsed_index_expressions,
+    keep_parsed_kernel_templates,
+)
 from .packaged import AheadOfTimeCompiled, model_digest
 
 # Every bucket of every engine in a process is a separate specialization of the same functions.
 torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 512)
 torch._dynamo.config.accumulated_recompile_limit = max(torch._dynamo.config.accumulated_recompile_limit, 4096)
 keep_parsed_kernel_templates()
+keep_parsed_index_expressions()
 compile_shared_micro_gemms()
 
 

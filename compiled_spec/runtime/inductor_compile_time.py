@@ -6,7 +6,10 @@ import functools
 import hashlib
 import re
 
+import sympy
+import torch._inductor.compile_fx  # noqa: F401  first: cpp_template_kernel imported on its own is a circular import
 from torch._inductor.codecache import AotCodeCompiler
+from torch._inductor.codegen import cpp_template_kernel
 from torch._inductor.codegen.common import KernelTemplate
 
 # Inductor inlines a pointwise node into each of its uses until the inlined function has this many ops (default: 50
@@ -26,6 +29,25 @@ def keep_parsed_kernel_templates() -> None:
     if not hasattr(KernelTemplate._template_from_string, "cache_info"):
         KernelTemplate._template_from_string = staticmethod(functools.cache(KernelTemplate._template_from_string))
 
+
+
+def keep_parsed_index_expressions() -> None:
+    """A C++ template kernel parses its index expressions from text with sympy (parse_expr_with_index_symbols) each
+    time it renders: the default model's batch-1 k=3 step and 16-token prefill made 5599 such calls over 12 distinct
+    texts, 7.2 s of their 164 s compile. The parse depends on the text alone and sympy expressions are immutable, so
+    each text is parsed once per process."""
+    parse = cpp_template_kernel.parse_expr_with_index_symbols
+    if getattr(parse, "keeps_parsed", False):
+        return
+    parsed_text = functools.cache(parse)
+
+    def parse_once(expr):
+        if isinstance(expr, (sympy.Expr, list, tuple)):
+            return parse(expr)  # an expression as it is; a sequence element by element, through parse_once
+        return parsed_text(str(expr))
+
+    parse_once.keeps_parsed = True
+    cpp_template_kernel.parse_expr_with_index_symbols = parse_once
 
 _MICRO_GEMM = re.compile(r"inline void (\w+)_micro_gemm_kernel\(")
 
