@@ -78,8 +78,9 @@ def test_gemm_kernels_of_one_graph_share_each_micro_gemm_and_compute_as_eager(mo
         expected = mlp(rows)
 
     (original, shared), = sources
-    kernels_before = re.findall(r"inline void (\w+)_micro_gemm_kernel\(", original)
-    kernels_after = re.findall(r"inline void (\w+)_micro_gemm_kernel\(", shared)
+    micro_gemm_definition = re.compile(r"inline void (\w+)_micro_gemm_kernel\(")
+    kernels_before = micro_gemm_definition.findall(original)
+    kernels_after = micro_gemm_definition.findall(shared)
     blockings = set(re.findall(r"constexpr int64_t Mr = (\d+);\s*constexpr int64_t Nr = (\d+);\s*"
                                r"constexpr int64_t Kr = (\d+);", original))
     assert len(kernels_before) == 3
