@@ -113,6 +113,33 @@ def test_full_mode_on_cpu_folds_the_weights_into_its_gemms(compiled_result):
 
 
 @pytest.mark.parametrize("compiled_result", ["full"], indirect=True)
+def test_full_on_cpu_prefills_each_prompt_at_its_own_width_with_one_package(workload, eager_result, compiled_result):
+    """full on CPU compiles one prefill package for every prompt width from 4 up to the largest prefill bucket: a
+    prompt is padded only to 4 (attention takes another path at 3 rows or fewer), not to a bucket."""
+    path, prompts = workload
+    engine = compiled_result["llm"].engine
+    assert engine.runner.prefill_widths == (4, ENGINE["prefill_buckets"][-1])
+    packages = engine.runner.packages()
+    widths = []
+    prefill = engine.runner.prefill
+
+    def recorded(slot, prompt_ids, prompt_len, num_drafts=None):
+        widths.append(prompt_ids.shape[1])
+        return prefill(slot, prompt_ids, prompt_len, num_drafts)
+
+    engine.runner.prefill = recorded
+    try:
+        with torch.compiler.set_stance("fail_on_recompile"):
+            assert run_workload(compiled_result["llm"], prompts) == compiled_result["result"]
+    finally:
+        del engine.runner.prefill
+    short = [n for n in PROMPT_LENGTHS if n <= ENGINE["prefill_buckets"][-1]]
+    assert sorted(widths) == sorted(max(n, 4) for n in short)
+    assert len(set(widths)) > 5
+    assert engine.runner.packages() == packages  # no package compiled or loaded for any of those widths
+
+
+@pytest.mark.parametrize("compiled_result", ["full"], indirect=True)
 def test_a_second_full_engine_on_cpu_loads_every_bucket_instead_of_compiling(workload, compiled_result):
     """full on CPU keeps each bucket as an AOTInductor package; an engine of the same model and configuration
     (here in the same process, normally a later one) loads every bucket and decodes the same."""

@@ -8,16 +8,17 @@ import torch
 from compiled_spec import LLM
 from compiled_spec.config import GraphMode
 from compiled_spec.runtime.graph_modes import inductor_options
-from compiled_spec.runtime.packaged import model_digest, package_key
+from compiled_spec.runtime.packaged import DynamicSize, model_digest, package_key, static_bucket
 from compiled_spec.speculative.step import prefill, speculative_step
 
 ENGINE = dict(num_speculative_tokens=2, max_batch_size=4, max_seq_len=32, warm_up=False)
 OPTIONS = inductor_options(GraphMode.FULL, torch.device("cpu"))
 
 
-def key(llm: LLM, function=speculative_step, args=(2,), options=OPTIONS, passes="passes-uuid") -> str:
+def key(llm: LLM, function=speculative_step, args=(2,), options=OPTIONS, passes="passes-uuid", bucket=None) -> str:
     engine = llm.engine
-    return package_key(function, passes, options, model_digest(llm.model, engine.constants), engine.state, args)
+    bucket = static_bucket(args) if bucket is None else bucket
+    return package_key(function, passes, options, model_digest(llm.model, engine.constants), engine.state, args, bucket)
 
 
 def test_the_same_model_and_configuration_give_the_same_key(tiny_checkpoint):
@@ -40,3 +41,20 @@ def test_the_key_changes_with_what_the_compiled_code_depends_on(tiny_checkpoint)
     with torch.no_grad():
         weight[7] = torch.nextafter(weight[7], torch.tensor(float("inf")))  # the last bit of one weight
     assert key(llm) != base
+
+
+def test_one_prefill_package_covers_every_prompt_width_in_its_range(tiny_checkpoint):
+    llm = LLM(tiny_checkpoint("predictive").path, **ENGINE)
+    widths = DynamicSize(arg=1, dim=1, low=4, high=16)
+
+    def prefill_args(width: int) -> tuple:
+        return torch.zeros(1, dtype=torch.int64), torch.zeros(1, width, dtype=torch.int64), torch.ones(1, dtype=torch.int64)
+
+    def prefill_key(width: int, dynamic: DynamicSize) -> str:
+        args = prefill_args(width)
+        return key(llm, function=prefill, args=args, bucket=dynamic.bucket(args))
+
+    assert widths.bucket(prefill_args(5)) == widths.bucket(prefill_args(16)) == ((1,), (1, "4to16"), (1,))
+    assert prefill_key(5, widths) == prefill_key(16, widths)
+    assert prefill_key(16, widths) != prefill_key(16, DynamicSize(arg=1, dim=1, low=4, high=32))
+    assert prefill_key(16, widths) != key(llm, function=prefill, args=prefill_args(16))  # a bucket of width 16 alone

@@ -90,7 +90,8 @@ class Engine:
             "prefill_buckets", largest_below_limit=True,
         )
         self.runner = StepRunner(model, self.state, self.constants, config.graph_mode,
-                                 draft_lengths=tuple(range(self.k)) if config.auto else ())
+                                 draft_lengths=tuple(range(self.k)) if config.auto else (),
+                                 prefill_width=self.prefill_buckets[-1])
         self.slots: list[Request] = []
         self.step_log: list[list[tuple[int, int]]] = []  # per step: (request index, accepted) of each lane
         self.step_seconds: list[float] = []  # wall time of each decode step, the host copy of its results included
@@ -114,10 +115,15 @@ class Engine:
 
     def warm_up_graphs(self, runner: StepRunner | None = None) -> list[tuple[str, int, int | None]]:
         """(kind, size, k) of every graph warm-up makes for `runner` (default: this engine's): each batch bucket and,
-        if the runner compiles prefill, each prefill bucket, for every k with auto (else k None: every draft slot)."""
+        if the runner compiles prefill, each prefill bucket (or, full on CPU, one prefill package for every width up
+        to the largest), for every k with auto (else k None: every draft slot)."""
+        runner = runner or self.runner
         graphs = [("step", size, k) for size in reversed(self.batch_buckets) for k in self.draft_lengths()]
-        if (runner or self.runner).compiles_prefill:
-            graphs += [("prefill", size, k) for size in reversed(self.prefill_buckets) for k in self.draft_lengths()]
+        if runner.compiles_prefill:
+            # One prefill package covers every width (full on CPU), and compiles longest: it goes first.
+            widths = (runner.prefill_widths[1],) if runner.prefill_widths else reversed(self.prefill_buckets)
+            prefills = [("prefill", size, k) for size in widths for k in self.draft_lengths()]
+            graphs = prefills + graphs if runner.prefill_widths else graphs + prefills
         return graphs
 
     def warm_up(self, show_progress: bool = True) -> None:
@@ -311,7 +317,11 @@ class Engine:
         state.done[slot] = False
         length = len(request.prompt_ids)
         bucketed = length <= self.prefill_buckets[-1]
-        width = pick_bucket(self.prefill_buckets, length) if bucketed else length
+        widths = self.runner.prefill_widths
+        if bucketed:
+            width = max(length, widths[0]) if widths else pick_bucket(self.prefill_buckets, length)
+        else:
+            width = length
         device = state.seq_lens.device
         prompt = torch.zeros(1, width, dtype=torch.int64, device=device)
         prompt[0, :length] = torch.tensor(request.prompt_ids, dtype=torch.int64)

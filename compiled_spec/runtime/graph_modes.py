@@ -27,6 +27,7 @@ from passes.manager import PassContext
 
 from ..config import GraphMode
 from ..model.causal_lm import CausalLM
+from ..model.layers import COMPILED_ATTENTION_MAX_ROWS
 from ..speculative.state import DecodeState
 from ..speculative.step import StepConstants, prefill, speculative_step, state_writes
 from . import shared_constants
@@ -36,7 +37,7 @@ from .inductor_compile_time import (
     keep_parsed_index_expressions,
     keep_parsed_kernel_templates,
 )
-from .packaged import AheadOfTimeCompiled, model_digest
+from .packaged import AheadOfTimeCompiled, DynamicSize, model_digest
 
 # Every bucket of every engine in a process is a separate specialization of the same functions.
 torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 512)
@@ -44,6 +45,10 @@ torch._dynamo.config.accumulated_recompile_limit = max(torch._dynamo.config.accu
 keep_parsed_kernel_templates()
 keep_parsed_index_expressions()
 compile_shared_micro_gemms()
+
+# The shortest prompt width the one prefill package of full on CPU takes: at 3 rows or fewer attention takes another
+# path (grouped_attention), a branch a package of every length cannot hold. Shorter prompts are padded to it.
+PACKAGED_PREFILL_MIN_WIDTH = COMPILED_ATTENTION_MAX_ROWS + 1
 
 
 def inductor_options(mode: GraphMode, device: torch.device) -> dict:
@@ -93,10 +98,13 @@ class StepRunner:
         step_function=speculative_step,
         prefill_function=prefill,
         draft_lengths: tuple[int, ...] = (),
+        prefill_width: int | None = None,
     ):
         """draft_lengths: the k values below the state's draft slots K that step(batch_size, k) and
         prefill(..., num_drafts=k) are called with (k = auto admits a request with the k it decodes with); each k
-        of each is a graph of its own, with the writes it makes checked by its own passes."""
+        of each is a graph of its own, with the writes it makes checked by its own passes. prefill_width: the
+        largest prompt width prefill is called with (the largest prefill bucket); with it, full on CPU compiles
+        one prefill package (per k) for every width from PACKAGED_PREFILL_MIN_WIDTH up to it (prefill_widths)."""
         self.mode = mode
         self.state = state
         self.draft_lengths = draft_lengths
@@ -110,6 +118,8 @@ class StepRunner:
         self._eager_prefill = prefill_function
         self._steps_by_k: dict[int, object] = {k: step_function for k in draft_lengths}
         self._prefills_by_k: dict[int, object] = {k: prefill_function for k in draft_lengths}
+        # (lowest, highest) prompt width of the one prefill package, or None: a graph per prefill bucket.
+        self.prefill_widths: tuple[int, int] | None = None
         if mode == GraphMode.EAGER:
             return
         device = state.seq_lens.device
@@ -118,6 +128,8 @@ class StepRunner:
                 torch._dynamo.mark_static_address(tensor)
         options = inductor_options(mode, device)
         model_key = model_digest(model, constants) if options.get("freezing") else None
+        if options.get("freezing") and prefill_width is not None and prefill_width > PACKAGED_PREFILL_MIN_WIDTH:
+            self.prefill_widths = (PACKAGED_PREFILL_MIN_WIDTH, prefill_width)
 
         def compiled(name: str, function, num_drafts: int | None = None):
             context = PassContext(
@@ -127,7 +139,10 @@ class StepRunner:
             manager = SpecPassManager(passes if passes is not None else default_passes(constants.hisparse), context)
             self.managers[name] = manager
             if options.get("freezing"):
-                return AheadOfTimeCompiled(function, manager, options, model_key)
+                # prefill(slot, prompt_ids [1, width], prompt_len[, k]): one package for every width in range.
+                widths = self.prefill_widths if function is prefill_function else None
+                dynamic = DynamicSize(arg=1, dim=1, low=widths[0], high=widths[1]) if widths else None
+                return AheadOfTimeCompiled(function, manager, options, model_key, dynamic)
             return torch.compile(function, fullgraph=True, dynamic=False, backend=spec_backend(options, manager))
 
         self._step, self._prefill = compiled("step", step_function), compiled("prefill", prefill_function)

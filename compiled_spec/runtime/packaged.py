@@ -22,6 +22,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -39,6 +40,29 @@ PACKAGE_FOLDER = "compiled_spec_packages"
 # Constants (the frozen, pre-packed weights) stay out of the shared library; shared_constants stores them once.
 CONSTANTS_OUTSIDE = {"aot_inductor.package": True, "aot_inductor.package_constants_in_so": False}
 _PROJECT_ROOT = Path(__file__).resolve().parents[2]
+
+
+@dataclass(frozen=True)
+class DynamicSize:
+    """One dimension of one tensor argument that a single package takes at every size from low to high: the prompt
+    length of prefill, so that one graph, compiled once, runs each prompt at its own length."""
+
+    arg: int  # index among the call's arguments (after model, state and constants)
+    dim: int
+    low: int
+    high: int
+
+    def bucket(self, args: tuple) -> tuple:
+        """The arguments' bucket (shapes and fixed values), with this dimension as the range it covers."""
+        bucket = [tuple(arg.shape) if isinstance(arg, torch.Tensor) else arg for arg in args]
+        shape = list(bucket[self.arg])
+        shape[self.dim] = f"{self.low}to{self.high}"
+        bucket[self.arg] = tuple(shape)
+        return tuple(bucket)
+
+
+def static_bucket(args: tuple) -> tuple:
+    return tuple(tuple(arg.shape) if isinstance(arg, torch.Tensor) else arg for arg in args)
 
 
 class BucketProgram(torch.nn.Module):
@@ -61,9 +85,12 @@ class AheadOfTimeCompiled:
     """Stands in for torch.compile(function): the first call of each bucket (argument shapes and fixed
     values) loads its package, or exports, compiles and saves it when there is none."""
 
-    def __init__(self, function, manager, options: dict, model_key: str):
-        """model_key: model_digest(model, constants) of the model and constants every call passes."""
+    def __init__(self, function, manager, options: dict, model_key: str, dynamic: DynamicSize | None = None):
+        """model_key: model_digest(model, constants) of the model and constants every call passes. dynamic: a
+        dimension one package covers at every size in its range (the rest of a bucket stays fixed)."""
         self.function, self.manager, self.options, self.model_key = function, manager, options, model_key
+        self.dynamic = dynamic
+        self.bucket = dynamic.bucket if dynamic else static_bucket
         self.folder = Path(cache_dir()) / PACKAGE_FOLDER
         self.packages: dict[tuple, object] = {}
         self.compiled: list[str] = []  # package files this object compiled; the rest it loaded
@@ -81,7 +108,7 @@ class AheadOfTimeCompiled:
 
     def prepare(self, model, state: DecodeState, constants, *args):
         """The loaded package for a call with these arguments: loaded, or compiled first when there is none."""
-        bucket = tuple(tuple(arg.shape) if isinstance(arg, torch.Tensor) else arg for arg in args)
+        bucket = self.bucket(args)
         package = self.packages.get(bucket)
         if package is None:
             package = self.packages[bucket] = self._package(model, state, constants, args)
@@ -89,8 +116,8 @@ class AheadOfTimeCompiled:
 
     def package_path(self, state: DecodeState, args: tuple) -> Path:
         """Where the package for a call with these arguments is (or will be) kept."""
-        key = package_key(self.function, self.manager.uuid(), self.options, self.model_key, state, args)
-        bucket = tuple(tuple(arg.shape) if isinstance(arg, torch.Tensor) else arg for arg in args)
+        bucket = self.bucket(args)
+        key = package_key(self.function, self.manager.uuid(), self.options, self.model_key, state, args, bucket)
         shape = "-".join(str(size) for size in torch.utils._pytree.tree_leaves(bucket))
         return self.folder / f"{self.function.__name__}-{shape}-{key[:24]}.pt2"
 
@@ -114,7 +141,8 @@ class AheadOfTimeCompiled:
         inputs = tuple(state_tensors) + tuple(arg for arg in args if isinstance(arg, torch.Tensor))
         traced_before = counters["stats"]["unique_graphs"]
         with torch.no_grad():
-            exported = torch.export.export(program, inputs, strict=False)
+            exported = torch.export.export(program, inputs, strict=False,
+                                           dynamic_shapes=self._dynamic_shapes(len(state_tensors), args))
         self.export_traces += counters["stats"]["unique_graphs"] - traced_before
         # Lifted weights come first among the compiled graph's inputs (freezing then folds them away).
         weights = [spec.target for spec in exported.graph_signature.input_specs
@@ -137,6 +165,20 @@ class AheadOfTimeCompiled:
         os.replace(partial, path)  # atomic: a process that loads concurrently sees a whole package or none
 
 
+    def _dynamic_shapes(self, state_count: int, args: tuple):
+        """export's dynamic_shapes for BucketProgram(*state tensors, *tensor arguments), or None when all are static."""
+        if self.dynamic is None:
+            return None
+        shapes = [None] * state_count
+        for index, arg in enumerate(args):
+            if isinstance(arg, torch.Tensor):
+                dynamic = index == self.dynamic.arg
+                shapes.append({self.dynamic.dim: torch.export.Dim(
+                    f"arg{index}_dim{self.dynamic.dim}", min=self.dynamic.low, max=self.dynamic.high,
+                )} if dynamic else None)
+        return (tuple(shapes),)  # the program takes *tensors
+
+
 def stripped(library: str, directory: Path) -> str:
     """A copy of a shared library in `directory` without its symbol table and debug sections (what dlopen needs
     stays): a step package's library shrank from 3.85 to 0.72 MB here. The library itself where strip is missing."""
@@ -148,8 +190,10 @@ def stripped(library: str, directory: Path) -> str:
     return str(copy)
 
 
-def package_key(function, passes_uuid: str, options: dict, model_key: str, state: DecodeState, args) -> str:
-    """model_key: model_digest() of the model and constants the package is compiled over."""
+def package_key(function, passes_uuid: str, options: dict, model_key: str, state: DecodeState, args,
+                bucket: tuple) -> str:
+    """model_key: model_digest() of the model and constants the package is compiled over; bucket: the shapes (and
+    ranges) and fixed values of the arguments the package takes."""
     digest = hashlib.sha256()
 
     def add(*values):
@@ -161,7 +205,7 @@ def package_key(function, passes_uuid: str, options: dict, model_key: str, state
     add(_code_digest(), function.__module__, function.__qualname__, inspect.getsource(inspect.getmodule(function)))
     add(passes_uuid, sorted(options.items()), model_key)
     add([(name, tensor.shape, tensor.dtype, tensor.device) for name, tensor in state.named_tensors()])
-    add([arg if not isinstance(arg, torch.Tensor) else (arg.shape, arg.dtype) for arg in args])
+    add(bucket, [arg.dtype for arg in args if isinstance(arg, torch.Tensor)])
     return digest.hexdigest()
 
 
