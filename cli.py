@@ -492,9 +492,9 @@ DEFAULT_ANCHORS = ("hf-eager", "hf-static", "hf-mtp")
 @click.option("--buckets", type=click.Choice(["minimal", "workload", "default"]), default="minimal",
               show_default=True,
               help="minimal: compile one batch bucket (the cell's size) and one prefill bucket, max_seq_len, "
-                   "so every prompt is padded to it; workload: the cell's batch size and the default prefill "
-                   "buckets the prompts fall in (each prompt padded as a default engine pads it); "
-                   "default: the engine's own buckets (slowest warm-up).")
+                   "so every prompt is padded to it (full on CPU: one prefill package for every width up to it); "
+                   "workload: the cell's batch size and the default prefill buckets the prompts fall in (each "
+                   "prompt padded as a default engine pads it); default: the engine's own buckets (slowest warm-up).")
 @click.option("--repeats", type=click.IntRange(1), default=1, show_default=True,
               help="Timed runs per cell, in its process; the fastest counts.")
 @click.option("--rounds", type=click.IntRange(1), default=1, show_default=True,
