@@ -48,7 +48,8 @@ def test_one_prefill_package_covers_every_prompt_width_in_its_range(tiny_checkpo
     widths = DynamicSize(arg=1, dim=1, low=4, high=16)
 
     def prefill_args(width: int) -> tuple:
-        return torch.zeros(1, dtype=torch.int64), torch.zeros(1, width, dtype=torch.int64), torch.ones(1, dtype=torch.int64)
+        slot, prompt_len = torch.zeros(1, dtype=torch.int64), torch.ones(1, dtype=torch.int64)
+        return slot, torch.zeros(1, width, dtype=torch.int64), prompt_len
 
     def prefill_key(width: int, dynamic: DynamicSize) -> str:
         args = prefill_args(width)

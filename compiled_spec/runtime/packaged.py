@@ -164,7 +164,6 @@ class AheadOfTimeCompiled:
             package_aoti(str(partial), kept)
         os.replace(partial, path)  # atomic: a process that loads concurrently sees a whole package or none
 
-
     def _dynamic_shapes(self, state_count: int, args: tuple):
         """export's dynamic_shapes for BucketProgram(*state tensors, *tensor arguments), or None when all are static."""
         if self.dynamic is None:
