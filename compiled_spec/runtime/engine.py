@@ -119,11 +119,10 @@ class Engine:
         to the largest), for every k with auto (else k None: every draft slot)."""
         runner = runner or self.runner
         graphs = [("step", size, k) for size in reversed(self.batch_buckets) for k in self.draft_lengths()]
+        if runner.prefill_widths:  # one package covers every width (full on CPU); the longest compile, so it goes first
+            return [("prefill", runner.prefill_widths[1], k) for k in self.draft_lengths()] + graphs
         if runner.compiles_prefill:
-            # One prefill package covers every width (full on CPU), and compiles longest: it goes first.
-            widths = (runner.prefill_widths[1],) if runner.prefill_widths else reversed(self.prefill_buckets)
-            prefills = [("prefill", size, k) for size in widths for k in self.draft_lengths()]
-            graphs = prefills + graphs if runner.prefill_widths else graphs + prefills
+            graphs += [("prefill", size, k) for size in reversed(self.prefill_buckets) for k in self.draft_lengths()]
         return graphs
 
     def warm_up(self, show_progress: bool = True) -> None:

@@ -54,7 +54,7 @@ class DynamicSize:
 
     def bucket(self, args: tuple) -> tuple:
         """The arguments' bucket (shapes and fixed values), with this dimension as the range it covers."""
-        bucket = [tuple(arg.shape) if isinstance(arg, torch.Tensor) else arg for arg in args]
+        bucket = list(static_bucket(args))
         shape = list(bucket[self.arg])
         shape[self.dim] = f"{self.low}to{self.high}"
         bucket[self.arg] = tuple(shape)
