@@ -155,6 +155,7 @@ def measure_engine(spec: dict) -> dict:
         "prefill_buckets": list(engine.prefill_buckets),
         # full on CPU: the one prefill package's (lowest, highest) prompt width; None: a graph per prefill bucket.
         "prefill_widths": list(engine.runner.prefill_widths) if engine.runner.prefill_widths else None,
+        "step_batches": list(engine.runner.step_batches) if engine.runner.step_batches else None,
         "output_digests": [digest(output.token_ids) for output in outputs],
         # What the engine really runs with (None: dense attention).
         "hisparse_top_k_tokens": engine.constants.hisparse.top_k_tokens if engine.constants.hisparse else None,

@@ -91,9 +91,15 @@ def test_acceptance_and_outputs_equal_eager(eager_result, compiled_result):
     assert compiled_result["eager_prefills"] == longer > 0
 
 
+def expected_graphs(mode: str) -> int:
+    """One graph per batch bucket and per prefill bucket; full on CPU: one step package for batches 2 to 4 and one
+    prefill package for every prompt width up to 16."""
+    return 2 if mode == "full" else len(ENGINE["batch_buckets"]) + len(ENGINE["prefill_buckets"])
+
+
 def test_zero_recompiles_after_warm_up(compiled_result):
-    # One graph per batch bucket and per prefill bucket, all made during warm-up.
-    assert compiled_result["warm_up_graphs"] == len(ENGINE["batch_buckets"]) + len(ENGINE["prefill_buckets"])
+    # Every graph made during warm-up.
+    assert compiled_result["warm_up_graphs"] == expected_graphs(compiled_result["mode"])
     assert compiled_result["workload_graphs"] == 0
     assert compiled_result["again"] == compiled_result["result"]
 
@@ -140,12 +146,38 @@ def test_full_on_cpu_prefills_each_prompt_at_its_own_width_with_one_package(work
 
 
 @pytest.mark.parametrize("compiled_result", ["full"], indirect=True)
+def test_full_on_cpu_steps_each_batch_at_its_own_size_with_one_package(workload, compiled_result):
+    """full on CPU compiles one step package for every batch from 2 up to the largest bucket: a step over 3 requests
+    runs 3 lanes, not the 4 of its bucket (a single request runs 2, as batch 1 is not among these buckets)."""
+    path, prompts = workload
+    engine = compiled_result["llm"].engine
+    assert engine.runner.step_batches == (2, ENGINE["batch_buckets"][-1])
+    packages = engine.runner.packages()
+    sizes = []
+    step = engine.runner.step
+
+    def recorded(batch_size, num_drafts=None):
+        sizes.append((batch_size, len(engine.slots)))
+        return step(batch_size, num_drafts)
+
+    engine.runner.step = recorded
+    try:
+        with torch.compiler.set_stance("fail_on_recompile"):
+            assert run_workload(compiled_result["llm"], prompts) == compiled_result["result"]
+    finally:
+        del engine.runner.step
+    assert {batch for batch, _ in sizes} == {2, 3, 4}
+    assert all(batch == max(requests, 2) for batch, requests in sizes)
+    assert engine.runner.packages() == packages  # no package compiled or loaded for any of those batches
+
+
+@pytest.mark.parametrize("compiled_result", ["full"], indirect=True)
 def test_a_second_full_engine_on_cpu_loads_every_bucket_instead_of_compiling(workload, compiled_result):
     """full on CPU keeps each bucket as an AOTInductor package; an engine of the same model and configuration
     (here in the same process, normally a later one) loads every bucket and decodes the same."""
     path, prompts = workload
     compiled, loaded = compiled_result["llm"].engine.runner.packages()
-    assert len(compiled + loaded) == len(ENGINE["batch_buckets"]) + len(ENGINE["prefill_buckets"])
+    assert len(compiled + loaded) == expected_graphs("full")
     llm = LLM(path, graph_mode="full", show_progress=False, **ENGINE)
     again_compiled, again_loaded = llm.engine.runner.packages()
     assert again_compiled == [] and sorted(again_loaded) == sorted(compiled + loaded)

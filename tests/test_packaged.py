@@ -59,3 +59,13 @@ def test_one_prefill_package_covers_every_prompt_width_in_its_range(tiny_checkpo
     assert prefill_key(5, widths) == prefill_key(16, widths)
     assert prefill_key(16, widths) != prefill_key(16, DynamicSize(arg=1, dim=1, low=4, high=32))
     assert prefill_key(16, widths) != key(llm, function=prefill, args=prefill_args(16))  # a bucket of width 16 alone
+
+
+def test_a_size_outside_the_range_gets_a_package_of_its_own_size():
+    """The one step package of full on CPU covers batches 2 and up; batch 1 keeps a static package."""
+    batches = DynamicSize(arg=0, dim=0, low=2, high=8)
+    lanes = {size: (torch.zeros(size, dtype=torch.int64),) for size in (1, 2, 5, 8, 9)}
+    assert batches.bucket(lanes[2]) == batches.bucket(lanes[5]) == batches.bucket(lanes[8]) == (("2to8",),)
+    assert [batches.covers(lanes[size]) for size in (1, 2, 8, 9)] == [False, True, True, False]
+    assert batches.bucket(lanes[1]) == static_bucket(lanes[1]) == ((1,),)
+    assert batches.bucket(lanes[9]) == ((9,),)

@@ -2,7 +2,8 @@
 
 Active requests occupy slots 0..n-1. Between steps the runtime admits requests into free slots
 (prefill) and frees finished ones by moving the last active slot into the hole, so the step always
-runs on a prefix of the slots, padded up to a batch bucket; padding lanes are free slots marked done.
+runs on a prefix of the slots, padded up to a batch bucket (full on CPU: to 2 at most, see
+StepRunner.batch_for); padding lanes are free slots marked done.
 """
 
 from __future__ import annotations
@@ -91,7 +92,7 @@ class Engine:
         )
         self.runner = StepRunner(model, self.state, self.constants, config.graph_mode,
                                  draft_lengths=tuple(range(self.k)) if config.auto else (),
-                                 prefill_width=self.prefill_buckets[-1])
+                                 prefill_width=self.prefill_buckets[-1], batch_size=self.batch_buckets[-1])
         self.slots: list[Request] = []
         self.step_log: list[list[tuple[int, int]]] = []  # per step: (request index, accepted) of each lane
         self.step_seconds: list[float] = []  # wall time of each decode step, the host copy of its results included
@@ -116,11 +117,20 @@ class Engine:
     def warm_up_graphs(self, runner: StepRunner | None = None) -> list[tuple[str, int, int | None]]:
         """(kind, size, k) of every graph warm-up makes for `runner` (default: this engine's): each batch bucket and,
         if the runner compiles prefill, each prefill bucket (or, full on CPU, one prefill package for every width up
-        to the largest), for every k with auto (else k None: every draft slot)."""
+        to the largest), for every k with auto (else k None: every draft slot).
+
+        Full on CPU: one step package for every batch from 2 up (the longest compile, so it goes first), then the one
+        prefill package, then batch 1's step; compile processes take them in this order."""
         runner = runner or self.runner
-        graphs = [("step", size, k) for size in reversed(self.batch_buckets) for k in self.draft_lengths()]
-        if runner.prefill_widths:  # one package covers every width (full on CPU); the longest compile, so it goes first
-            return [("prefill", runner.prefill_widths[1], k) for k in self.draft_lengths()] + graphs
+        ks = self.draft_lengths()
+        if runner.step_batches:
+            sizes = [runner.step_batches[1]] + [size for size in self.batch_buckets if size < runner.step_batches[0]]
+        else:
+            sizes = list(reversed(self.batch_buckets))
+        graphs = [("step", size, k) for size in sizes for k in ks]
+        if runner.prefill_widths:  # one package covers every width (full on CPU); the longest compiles go first
+            first = graphs[:len(ks)] if runner.step_batches else []
+            return first + [("prefill", runner.prefill_widths[1], k) for k in ks] + graphs[len(first):]
         if runner.compiles_prefill:
             graphs += [("prefill", size, k) for size in reversed(self.prefill_buckets) for k in self.draft_lengths()]
         return graphs
@@ -342,8 +352,9 @@ class Engine:
         """One speculative step over every admitted request; finished requests leave their slots."""
         self.poll_background()
         start = time.perf_counter()
-        batch = pick_bucket(self.batch_buckets, len(self.slots))
-        k = self.chooser.choose(batch) if self.chooser else self.k
+        bucket = pick_bucket(self.batch_buckets, len(self.slots))
+        batch = self.runner.batch_for(bucket, len(self.slots))
+        k = self.chooser.choose(bucket) if self.chooser else self.k
         self.last_num_drafts = k
         verified = [min(k, request.valid_drafts) for request in self.slots]
         if self.chooser:
@@ -355,7 +366,7 @@ class Engine:
         seconds = time.perf_counter() - start
         self.steps_run += 1
         if self.chooser:
-            self.chooser.observe_step(batch, k, seconds, [(v, accepted) for v, (_, accepted) in zip(verified, lanes)])
+            self.chooser.observe_step(bucket, k, seconds, [(v, accepted) for v, (_, accepted) in zip(verified, lanes)])
         return StepRecord(finished, lanes, seconds, k, verified)
 
     def abort(self, index: int) -> Request | None:

@@ -5,7 +5,8 @@ graphs split at attention (cache write + attention is an opaque custom op); on C
 replayed as CUDA graphs and attention runs between them, on CPU the pieces are compiled code and
 attention runs as the op's own kernel. full: the whole step as one max-autotune graph per bucket,
 replayed by cudagraph trees on CUDA; on CPU frozen (so max-autotune tunes GEMMs over constant weights)
-and compiled ahead of time into a package per bucket that later processes load (runtime/packaged.py).
+and compiled ahead of time into packages that later processes load (runtime/packaged.py): one step package
+for batch 1 and one for every larger batch, one prefill package for every prompt width up to the largest bucket.
 
 In piecewise and full the runner captures the state's buffers once and calls every graph on
 exactly those buffers, as a replayed CUDA graph would: anything that rebinds a state field
@@ -16,6 +17,7 @@ itself never does).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from pathlib import Path
 
 import torch
@@ -49,6 +51,9 @@ compile_shared_micro_gemms()
 # The shortest prompt width the one prefill package of full on CPU takes: at 3 rows or fewer attention takes another
 # path (grouped_attention), a branch a package of every length cannot hold. Shorter prompts are padded to it.
 PACKAGED_PREFILL_MIN_WIDTH = COMPILED_ATTENTION_MAX_ROWS + 1
+# The smallest batch the one step package of full on CPU takes. Batch 1 keeps a package of its own: a step compiled
+# for every batch from 1 stepped 8.6% slower at batch 1 than the batch-1 graph (README, Start-up).
+PACKAGED_STEP_MIN_BATCH = 2
 
 
 def inductor_options(mode: GraphMode, device: torch.device) -> dict:
@@ -85,6 +90,17 @@ def spec_backend(options: dict, manager: SpecPassManager):
     return backend
 
 
+def over_lanes(step_function):
+    """step_function(model, state, constants, batch_size, ...) called with a tensor of batch_size elements instead of
+    the number (its values are never read), so that export can make the batch a dynamic dimension."""
+
+    @functools.wraps(step_function)
+    def step(model, state, constants, lanes: torch.Tensor, *args):
+        return step_function(model, state, constants, lanes.shape[0], *args)
+
+    return step
+
+
 class StepRunner:
     """Calls the step and prefill for one engine, eagerly or compiled."""
 
@@ -99,12 +115,15 @@ class StepRunner:
         prefill_function=prefill,
         draft_lengths: tuple[int, ...] = (),
         prefill_width: int | None = None,
+        batch_size: int | None = None,
     ):
         """draft_lengths: the k values below the state's draft slots K that step(batch_size, k) and
         prefill(..., num_drafts=k) are called with (k = auto admits a request with the k it decodes with); each k
         of each is a graph of its own, with the writes it makes checked by its own passes. prefill_width: the
         largest prompt width prefill is called with (the largest prefill bucket); with it, full on CPU compiles
-        one prefill package (per k) for every width from PACKAGED_PREFILL_MIN_WIDTH up to it (prefill_widths)."""
+        one prefill package (per k) for every width from PACKAGED_PREFILL_MIN_WIDTH up to it (prefill_widths).
+        batch_size: the largest batch step is called with (the largest batch bucket); with it, full on CPU compiles
+        one step package (per k) for every batch from PACKAGED_STEP_MIN_BATCH up to it (step_batches)."""
         self.mode = mode
         self.state = state
         self.draft_lengths = draft_lengths
@@ -120,6 +139,9 @@ class StepRunner:
         self._prefills_by_k: dict[int, object] = {k: prefill_function for k in draft_lengths}
         # (lowest, highest) prompt width of the one prefill package, or None: a graph per prefill bucket.
         self.prefill_widths: tuple[int, int] | None = None
+        # (lowest, highest) batch of the one step package, or None: a graph per batch bucket.
+        self.step_batches: tuple[int, int] | None = None
+        self._lanes: dict[int, torch.Tensor] = {}  # batch size -> the tensor the one step package takes for it
         if mode == GraphMode.EAGER:
             return
         device = state.seq_lens.device
@@ -130,6 +152,8 @@ class StepRunner:
         model_key = model_digest(model, constants) if options.get("freezing") else None
         if options.get("freezing") and prefill_width is not None and prefill_width > PACKAGED_PREFILL_MIN_WIDTH:
             self.prefill_widths = (PACKAGED_PREFILL_MIN_WIDTH, prefill_width)
+        if options.get("freezing") and batch_size is not None and batch_size > PACKAGED_STEP_MIN_BATCH:
+            self.step_batches = (PACKAGED_STEP_MIN_BATCH, batch_size)
 
         def compiled(name: str, function, num_drafts: int | None = None):
             context = PassContext(
@@ -139,9 +163,14 @@ class StepRunner:
             manager = SpecPassManager(passes if passes is not None else default_passes(constants.hisparse), context)
             self.managers[name] = manager
             if options.get("freezing"):
-                # prefill(slot, prompt_ids [1, width], prompt_len[, k]): one package for every width in range.
-                widths = self.prefill_widths if function is prefill_function else None
-                dynamic = DynamicSize(arg=1, dim=1, low=widths[0], high=widths[1]) if widths else None
+                dynamic = None
+                if function is prefill_function and self.prefill_widths:
+                    # prefill(slot, prompt_ids [1, width], prompt_len[, k]): one package for every width in range.
+                    dynamic = DynamicSize(arg=1, dim=1, low=self.prefill_widths[0], high=self.prefill_widths[1])
+                elif function is step_function and self.step_batches:
+                    # step(lanes [batch][, k]): one package for every batch in range, and one for batch 1.
+                    function = over_lanes(function)
+                    dynamic = DynamicSize(arg=0, dim=0, low=self.step_batches[0], high=self.step_batches[1])
                 return AheadOfTimeCompiled(function, manager, options, model_key, dynamic)
             return torch.compile(function, fullgraph=True, dynamic=False, backend=spec_backend(options, manager))
 
@@ -192,8 +221,24 @@ class StepRunner:
                 return self._prefill, args
             return self._prefills_by_k[num_drafts], (*args, num_drafts)
         if self._every_slot(num_drafts):
-            return self._step, (size,)
-        return self._steps_by_k[num_drafts], (size, num_drafts)
+            return self._step, (self._batch_argument(size),)
+        return self._steps_by_k[num_drafts], (self._batch_argument(size), num_drafts)
+
+    def batch_for(self, bucket: int, lanes: int) -> int:
+        """The batch a step over `lanes` requests runs at: their batch bucket, or (the one step package of full on
+        CPU) their own number, from PACKAGED_STEP_MIN_BATCH up."""
+        if self.step_batches and bucket >= self.step_batches[0]:
+            return max(lanes, self.step_batches[0])
+        return bucket
+
+    def _batch_argument(self, batch_size: int):
+        """What the step function takes for this batch: the number, or for the one step package a tensor of that
+        length (kept, so a step allocates nothing)."""
+        if self.step_batches is None:
+            return batch_size
+        if batch_size not in self._lanes:
+            self._lanes[batch_size] = torch.zeros(batch_size, dtype=torch.int64, device=self.state.seq_lens.device)
+        return self._lanes[batch_size]
 
     def package_path(self, kind: str, size: int, num_drafts: int | None) -> Path | None:
         """Where the ahead-of-time package of that graph is kept (full on CPU), else None."""
@@ -208,9 +253,10 @@ class StepRunner:
     @torch.inference_mode()
     def step(self, batch_size: int, num_drafts: int | None = None):
         """One step that drafts num_drafts tokens: None or K (every draft slot), or one of draft_lengths."""
+        batch = self._batch_argument(batch_size)
         if self._every_slot(num_drafts):
-            return self._step(*self.bound, batch_size)
-        return self._steps_by_k[num_drafts](*self.bound, batch_size, num_drafts)
+            return self._step(*self.bound, batch)
+        return self._steps_by_k[num_drafts](*self.bound, batch, num_drafts)
 
     @torch.inference_mode()
     def prefill(self, slot: torch.Tensor, prompt_ids: torch.Tensor, prompt_len: torch.Tensor,

@@ -45,15 +45,21 @@ _PROJECT_ROOT = Path(__file__).resolve().parents[2]
 @dataclass(frozen=True)
 class DynamicSize:
     """One dimension of one tensor argument that a single package takes at every size from low to high: the prompt
-    length of prefill, so that one graph, compiled once, runs each prompt at its own length."""
+    length of prefill, or the batch of a step, so that one graph, compiled once, runs each at its own size. A call
+    whose size lies outside the range gets a package of its own size."""
 
     arg: int  # index among the call's arguments (after model, state and constants)
     dim: int
     low: int
     high: int
 
+    def covers(self, args: tuple) -> bool:
+        return self.low <= args[self.arg].shape[self.dim] <= self.high
+
     def bucket(self, args: tuple) -> tuple:
         """The arguments' bucket (shapes and fixed values), with this dimension as the range it covers."""
+        if not self.covers(args):
+            return static_bucket(args)
         bucket = list(static_bucket(args))
         shape = list(bucket[self.arg])
         shape[self.dim] = f"{self.low}to{self.high}"
@@ -166,7 +172,7 @@ class AheadOfTimeCompiled:
 
     def _dynamic_shapes(self, state_count: int, args: tuple):
         """export's dynamic_shapes for BucketProgram(*state tensors, *tensor arguments), or None when all are static."""
-        if self.dynamic is None:
+        if self.dynamic is None or not self.dynamic.covers(args):
             return None
         shapes = [None] * state_count
         for index, arg in enumerate(args):
