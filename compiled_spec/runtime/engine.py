@@ -165,7 +165,9 @@ class Engine:
         bar = tqdm(self.warm_up_graphs(), desc="compiling buckets", unit="graph", disable=not show_progress)
         for kind, size, k in bar:
             drafts = "" if k is None else f" k={k}"
-            bar.set_postfix_str(f"{kind} {'batch' if kind == 'step' else 'prompt'}={size}{drafts}")
+            covered = self.runner.step_batches if kind == "step" else self.runner.prefill_widths
+            sizes = f"{covered[0]}-{size}" if covered and size == covered[1] else str(size)  # one package, a range
+            bar.set_postfix_str(f"{kind} {'batch' if kind == 'step' else 'prompt'}={sizes}{drafts}")
             self.compile_graph(kind, size, k)
 
     def _compile_in_processes(self, graphs: list, paths: list, show_progress: bool) -> None:
