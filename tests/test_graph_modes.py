@@ -118,6 +118,26 @@ def test_full_mode_on_cpu_folds_the_weights_into_its_gemms(compiled_result):
         assert matmuls > 0, calls  # the same step in the other modes: the check can see matmuls
 
 
+def rerun_recording(compiled_result, prompts, method: str) -> list[tuple[tuple, int]]:
+    """Runs the workload again (it must decode as before, under fail_on_recompile) and returns, for each call of the
+    runner's `method`, its arguments and how many requests were admitted then."""
+    engine = compiled_result["llm"].engine
+    calls = []
+    original = getattr(engine.runner, method)
+
+    def recorded(*args):
+        calls.append((args, len(engine.slots)))
+        return original(*args)
+
+    setattr(engine.runner, method, recorded)
+    try:
+        with torch.compiler.set_stance("fail_on_recompile"):
+            assert run_workload(compiled_result["llm"], prompts) == compiled_result["result"]
+    finally:
+        delattr(engine.runner, method)
+    return calls
+
+
 @pytest.mark.parametrize("compiled_result", ["full"], indirect=True)
 def test_full_on_cpu_prefills_each_prompt_at_its_own_width_with_one_package(workload, eager_result, compiled_result):
     """full on CPU compiles one prefill package for every prompt width from 4 up to the largest prefill bucket: a
@@ -126,19 +146,7 @@ def test_full_on_cpu_prefills_each_prompt_at_its_own_width_with_one_package(work
     engine = compiled_result["llm"].engine
     assert engine.runner.prefill_widths == (4, ENGINE["prefill_buckets"][-1])
     packages = engine.runner.packages()
-    widths = []
-    prefill = engine.runner.prefill
-
-    def recorded(slot, prompt_ids, prompt_len, num_drafts=None):
-        widths.append(prompt_ids.shape[1])
-        return prefill(slot, prompt_ids, prompt_len, num_drafts)
-
-    engine.runner.prefill = recorded
-    try:
-        with torch.compiler.set_stance("fail_on_recompile"):
-            assert run_workload(compiled_result["llm"], prompts) == compiled_result["result"]
-    finally:
-        del engine.runner.prefill
+    widths = [args[1].shape[1] for args, _ in rerun_recording(compiled_result, prompts, "prefill")]
     short = [n for n in PROMPT_LENGTHS if n <= ENGINE["prefill_buckets"][-1]]
     assert sorted(widths) == sorted(max(n, 4) for n in short)
     assert len(set(widths)) > 5
@@ -153,19 +161,7 @@ def test_full_on_cpu_steps_each_batch_at_its_own_size_with_one_package(workload,
     engine = compiled_result["llm"].engine
     assert engine.runner.step_batches == (2, ENGINE["batch_buckets"][-1])
     packages = engine.runner.packages()
-    sizes = []
-    step = engine.runner.step
-
-    def recorded(batch_size, num_drafts=None):
-        sizes.append((batch_size, len(engine.slots)))
-        return step(batch_size, num_drafts)
-
-    engine.runner.step = recorded
-    try:
-        with torch.compiler.set_stance("fail_on_recompile"):
-            assert run_workload(compiled_result["llm"], prompts) == compiled_result["result"]
-    finally:
-        del engine.runner.step
+    sizes = [(args[0], requests) for args, requests in rerun_recording(compiled_result, prompts, "step")]
     assert {batch for batch, _ in sizes} == {2, 3, 4}
     assert all(batch == max(requests, 2) for batch, requests in sizes)
     assert engine.runner.packages() == packages  # no package compiled or loaded for any of those batches

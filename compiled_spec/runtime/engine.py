@@ -2,8 +2,8 @@
 
 Active requests occupy slots 0..n-1. Between steps the runtime admits requests into free slots
 (prefill) and frees finished ones by moving the last active slot into the hole, so the step always
-runs on a prefix of the slots, padded up to a batch bucket (full on CPU: to 2 at most, see
-StepRunner.batch_for); padding lanes are free slots marked done.
+runs on a prefix of the slots, padded up to a batch bucket (full on CPU runs n requests on n lanes,
+one request on 2 when batch 1 is not a bucket: StepRunner.batch_for); padding lanes are free slots marked done.
 """
 
 from __future__ import annotations
