@@ -132,7 +132,7 @@ class Engine:
             first = graphs[:len(ks)] if runner.step_batches else []
             return first + [("prefill", runner.prefill_widths[1], k) for k in ks] + graphs[len(first):]
         if runner.compiles_prefill:
-            graphs += [("prefill", size, k) for size in reversed(self.prefill_buckets) for k in self.draft_lengths()]
+            graphs += [("prefill", size, k) for size in reversed(self.prefill_buckets) for k in ks]
         return graphs
 
     def warm_up(self, show_progress: bool = True) -> None:
