@@ -26,6 +26,10 @@ class PositionsInPythonRunner(StepRunner):
 
     def __init__(self, model, state, constants, mode, passes=None):
         super().__init__(model, state, constants, mode, passes=passes, step_function=step_with_positions_in_python)
+        # The fault is in the step. The prefill runs in eager over the buffers a prefill graph would capture (as a
+        # prompt longer than every bucket does), so no prefill graph is compiled for it.
+        self.compiles_prefill = False
+        self._prefill = self._eager_prefill
 
     def step(self, batch_size: int):
         self.state.seq_lens = super().step(batch_size).clone()

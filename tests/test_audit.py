@@ -139,6 +139,7 @@ def test_audit_rejects_positions_advanced_in_python(tiny_checkpoint):
     assert "decode state updated outside the graph: seq_lens" in message
 
 
+@pytest.mark.slow
 def test_without_the_audit_the_fault_collapses_acceptance_in_full_mode(tiny_checkpoint):
     path = tiny_checkpoint("predictive").path
     generator = torch.Generator().manual_seed(1)

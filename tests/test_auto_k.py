@@ -98,6 +98,7 @@ def test_switching_k_mid_request_keeps_greedy_output(plain_tokens, eager_switchi
         assert all(a <= v for a, v in zip(stats.accepted_per_position, stats.verified_per_position))
 
 
+@pytest.mark.slow
 def test_compiled_auto_switches_without_recompiling(prompts, plain_tokens, eager_switching):
     """Every (bucket, k) graph is made at warm-up; the same schedule then runs under fail_on_recompile and
     accepts exactly what eager accepts."""

@@ -84,6 +84,7 @@ def test_eager_cells_with_the_same_k_accept_the_same(sweep):
     assert sum(one["accepted_per_position"]) > 0
 
 
+@pytest.mark.slow
 def test_bench_compares_auto_with_the_best_fixed_k(tiny_checkpoint, tmp_path):
     args = ["bench", "--model", str(tiny_checkpoint("predictive").path), "--graph-modes", "eager", "-k", "0,2,auto",
             "--anchors", "none", "--max-tokens", "12", "--threads", "1", "--rounds", "2", "--out", str(tmp_path)]
@@ -144,6 +145,7 @@ def test_cli_anchor_names_mirror_the_benchmarks():
     assert cli.ANCHORS == ANCHORS and cli.DEFAULT_ANCHORS == DEFAULT_ANCHORS
 
 
+@pytest.mark.slow
 def test_bench_on_a_gguf_file_runs_transformers_and_llama_cpp_anchors(tmp_path):
     from tiny_gguf import write_gguf
 

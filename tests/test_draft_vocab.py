@@ -108,6 +108,7 @@ def test_draft_vocab_size_is_checked(chat_model, tiny_checkpoint):
         LLM(path, draft_vocab_size=16, **ENGINE)  # the checkpoint's own modules have no ranking
 
 
+@pytest.mark.slow
 def test_full_graph_with_a_sub_vocabulary_decodes_as_eager(chat_model):
     """The sub-vocabulary head inside the whole-step graph (an AOTInductor package on CPU) changes nothing."""
     path, mtp, plain = chat_model

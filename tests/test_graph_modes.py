@@ -24,6 +24,9 @@ from compiled_spec.runtime.graph_modes import graphs_made
 from compiled_spec.runtime.packaged import PACKAGE_FOLDER
 
 K = 2
+# Every test here shares the compiled engines; test_tiered_start[dense] loads the full packages after them.
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("full_engine_packages")]
+
 ENGINE = dict(num_speculative_tokens=K, max_batch_size=4, max_seq_len=64, batch_buckets=(2, 4), prefill_buckets=(16,))
 PROMPT_LENGTHS = [3, 17, 5, 9, 30, 1, 12, 7, 22, 4, 15, 2, 26, 8, 11, 6, 19, 13]
 

@@ -275,6 +275,7 @@ def test_lightning_indexer_weights_load_for_main_and_draft_layers(tiny_checkpoin
     assert sparse[0] != dense[0]  # a small top-k does attend to fewer tokens
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["compile", "piecewise"])
 def test_top_k_covering_the_context_equals_dense_in_every_graph_mode(tiny_checkpoint, mode):
     """full: its tokens and accepted counts equal eager's with HiSparse (the saturated tests below, and the
@@ -313,6 +314,8 @@ def mirror_workload(tiny_checkpoint):
     return path, prompts, run(eager, prompts), evictions
 
 
+@pytest.mark.slow
+@pytest.mark.xdist_group("mirror_full_packages")  # test_tiered_start[hisparse] loads them
 def test_full_mode_equals_eager_with_a_saturated_hot_buffer(mirror_workload):
     path, prompts, (eager_tokens, eager_steps, _), evictions = mirror_workload
     # Prefill leaves the hot buffers empty; from the second step on, every step evicts.
@@ -327,6 +330,7 @@ def test_full_mode_equals_eager_with_a_saturated_hot_buffer(mirror_workload):
     assert steps == eager_steps
 
 
+@pytest.mark.slow
 def test_a_bfloat16_cold_pool_halves_its_memory_and_full_mode_still_equals_eager(mirror_workload):
     path, prompts, _, _ = mirror_workload
     compact = dataclasses.replace(SATURATED, cold_dtype="bfloat16")
@@ -356,6 +360,7 @@ def faulty_engine(path, mode: GraphMode, passes):
     return llm
 
 
+@pytest.mark.slow
 def test_without_the_draft_mirror_acceptance_collapses_in_full_mode_but_output_stays_right(mirror_workload):
     path, prompts, (eager_tokens, _, eager_acceptance), _ = mirror_workload
     # Only the fusion pass: the state-mutation pass would reject this step (next test).

@@ -10,6 +10,8 @@ from compiled_spec import LLM, SamplingParams, fetch_model
 
 from compiled_spec.registry import SHIPPED_MTP_ROOT
 
+pytestmark = pytest.mark.slow
+
 MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
 # Code nobody trained the modules on (not from the standard library).
 CODE = 'def binary_search(items, target):\n    """Return the index of target in the sorted list items, or -1."""\n'

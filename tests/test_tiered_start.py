@@ -43,7 +43,12 @@ def decode(llm: LLM, prompts, switch_to: StepRunner | None = None):
     return [request.output.token_ids for request in requests], steps
 
 
-@pytest.mark.parametrize("hisparse", [None, SATURATED], ids=["dense", "hisparse"])
+@pytest.mark.slow
+@pytest.mark.parametrize("hisparse", [
+    # On the worker that compiled these configurations in full (test_graph_modes, test_hisparse): loaded, not compiled.
+    pytest.param(None, id="dense", marks=pytest.mark.xdist_group("full_engine_packages")),
+    pytest.param(SATURATED, id="hisparse", marks=pytest.mark.xdist_group("mirror_full_packages")),
+])
 def test_a_switch_from_eager_to_full_mid_request_changes_no_token_and_no_accepted_count(tiny_checkpoint, hisparse):
     path = tiny_checkpoint("predictive").path
     engine_options = MIRROR_ENGINE if hisparse else ENGINE  # the configurations other tests compile in full
@@ -65,6 +70,7 @@ def test_a_switch_from_eager_to_full_mid_request_changes_no_token_and_no_accepte
     assert steps == eager_steps
 
 
+@pytest.mark.slow
 def test_a_first_start_answers_in_eager_while_full_compiles_in_the_background_then_switches(
         tiny_checkpoint, tmp_path, monkeypatch):
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))  # nothing compiled yet
