@@ -18,6 +18,14 @@ def step_with_positions_in_python(model, state, constants, batch_size):
     return scratch.seq_lens
 
 
+def prefilling_in_eager(runner: StepRunner) -> StepRunner:
+    """The runner, prefilling in eager over the buffers its prefill graph would capture (as a prompt longer than
+    every bucket does). For a fault in the step, a prefill graph would add a compile and test nothing."""
+    runner.compiles_prefill = False
+    runner._prefill = runner._eager_prefill
+    return runner
+
+
 class PositionsInPythonRunner(StepRunner):
     """A runtime that advances positions in Python after each call (it rebinds state.seq_lens).
 
@@ -26,10 +34,7 @@ class PositionsInPythonRunner(StepRunner):
 
     def __init__(self, model, state, constants, mode, passes=None):
         super().__init__(model, state, constants, mode, passes=passes, step_function=step_with_positions_in_python)
-        # The fault is in the step. The prefill runs in eager over the buffers a prefill graph would capture (as a
-        # prompt longer than every bucket does), so no prefill graph is compiled for it.
-        self.compiles_prefill = False
-        self._prefill = self._eager_prefill
+        prefilling_in_eager(self)  # the fault is in the step
 
     def step(self, batch_size: int):
         self.state.seq_lens = super().step(batch_size).clone()

@@ -18,7 +18,7 @@ from compiled_spec.hisparse.fused import hisparse_attention
 from compiled_spec.hisparse.indexer import KeyScorer, LightningIndexer
 from compiled_spec.hisparse.reference import NEVER_EVICT, gather_selected, place_new_rows, sparse_attention, swap_in
 from compiled_spec.runtime.graph_modes import StepRunner, spec_backend
-from faults import without_draft_mirror
+from faults import prefilling_in_eager, without_draft_mirror
 from passes import SpecPassManager
 from passes.hisparse_fusion import HiSparseFusionPass
 from passes.manager import PassContext
@@ -365,6 +365,7 @@ def test_without_the_draft_mirror_acceptance_collapses_in_full_mode_but_output_s
     path, prompts, (eager_tokens, _, eager_acceptance), _ = mirror_workload
     # Only the fusion pass: the state-mutation pass would reject this step (next test).
     llm = faulty_engine(path, GraphMode.FULL, passes=[HiSparseFusionPass(SATURATED)])
+    prefilling_in_eager(llm.engine.runner)  # the step is what reads the stale rows
     llm.engine.warm_up(show_progress=False)
     tokens, _, acceptance = run(llm, prompts)
     # The target verifies every draft, so the text is right; the drafts read stale KV swapped in from the cold pool.
