@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import os
 import re
+import threading
+import time
+from types import SimpleNamespace
 
+import pytest
 import sympy
 import torch
+from torch._inductor import cpp_builder, cpu_vec_isa
 from torch._inductor.codegen.common import KernelTemplate
 
 from compiled_spec.config import GraphMode
@@ -54,30 +60,45 @@ def test_the_sampler_hash_compiled_with_early_realization_equals_eager():
     assert torch.equal(compiled(seeds, positions), draw(seeds, positions))
 
 
-def test_gemm_kernels_of_one_graph_share_each_micro_gemm_and_compute_as_eager(monkeypatch, tmp_path):
-    sources = []  # (kernel source as inductor wrote it, as compiled)
-    share = inductor_compile_time.share_micro_gemms
+@pytest.fixture(scope="module")
+def compiled_mlp(tmp_path_factory):
+    """Three GEMMs of three shapes over 4 rows, compiled by AOTInductor with full's options (the C++ GEMM template
+    renders each as its own kernel; two of them block their output columns alike, with AVX-512 and with AVX2), and
+    what the compile did: the kernel source as inductor wrote it and as compiled, and each g++ run (start, end,
+    command line)."""
+    sources, runs = [], []
+    share, run_compile_cmd = inductor_compile_time.share_micro_gemms, cpp_builder.run_compile_cmd
 
     def recorded(kernel_code):
         sources.append((kernel_code, share(kernel_code)))
         return sources[-1][1]
 
-    monkeypatch.setattr(inductor_compile_time, "share_micro_gemms", recorded)
+    def timed(cmd_line, cwd):
+        start = time.monotonic()
+        try:
+            return run_compile_cmd(cmd_line, cwd)
+        finally:
+            runs.append((start, time.monotonic(), cmd_line))
+
     torch.manual_seed(0)
-    # Three GEMMs of three shapes over 4 rows: the C++ GEMM template renders each as its own kernel. Two of them
-    # block their output columns alike (with AVX-512 and with AVX2).
     mlp = torch.nn.Sequential(torch.nn.Linear(128, 256, bias=False), torch.nn.Linear(256, 128, bias=False),
                               torch.nn.Linear(128, 384, bias=False)).eval()
     rows = torch.randn(4, 128)
-    with torch.no_grad():
+    folder = tmp_path_factory.mktemp("mlp")
+    with pytest.MonkeyPatch.context() as patch, torch.no_grad():
+        patch.setattr(inductor_compile_time, "share_micro_gemms", recorded)
+        patch.setattr(cpp_builder, "run_compile_cmd", timed)
         exported = torch.export.export(mlp, (rows,))
         package = torch._inductor.aoti_compile_and_package(
-            exported, package_path=str(tmp_path / "mlp.pt2"),
+            exported, package_path=str(folder / "mlp.pt2"),
             inductor_configs=inductor_options(GraphMode.FULL, torch.device("cpu")))
         compiled = torch._inductor.aoti_load_package(package)(rows)
         expected = mlp(rows)
+    return SimpleNamespace(sources=sources, runs=runs, compiled=compiled, expected=expected)
 
-    (original, shared), = sources
+
+def test_gemm_kernels_of_one_graph_share_each_micro_gemm_and_compute_as_eager(compiled_mlp):
+    (original, shared), = compiled_mlp.sources
     micro_gemm_definition = re.compile(r"inline void (\w+)_micro_gemm_kernel\(")
     kernels_before = micro_gemm_definition.findall(original)
     kernels_after = micro_gemm_definition.findall(shared)
@@ -89,4 +110,84 @@ def test_gemm_kernels_of_one_graph_share_each_micro_gemm_and_compute_as_eager(mo
     assert not any(f"{kernel}_micro_gemm" in shared for kernel in kernels_before)
     # Each GEMM kernel calls a shared definition (twice: the first K block, then accumulating).
     assert sum(shared.count(f"{kernel}_micro_gemm<") for kernel in kernels_after) == 2 * len(kernels_before)
-    torch.testing.assert_close(compiled, expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(compiled_mlp.compiled, compiled_mlp.expected, rtol=1e-5, atol=1e-5)
+
+
+def test_the_objects_build_at_once_the_runtime_interface_apart_and_the_link_waits_for_them(compiled_mlp):
+    def run(pattern):
+        found = [(start, end, cmd) for start, end, cmd in compiled_mlp.runs if re.search(pattern, cmd)]
+        assert len(found) == 1, (pattern, [cmd[:120] for _, _, cmd in compiled_mlp.runs])
+        return found[0]
+
+    wrapper = run(r"\.wrapper\.snapshot\.cpp ")
+    kernel = run(r"\.kernel\.snapshot\.cpp ")
+    link = run(r"\.wrapper\.o .*\.kernel\.o ")
+    assert max(wrapper[0], kernel[0]) < min(wrapper[1], kernel[1])  # both g++ runs were under way together
+    assert link[0] >= max(wrapper[1], kernel[1])
+    # Each built from a copy of its source, since removed; the sources themselves stay as inductor wrote them,
+    # less the runtime interface, which is linked from its own object file, built once per cache folder.
+    interface = next(word for word in link[2].split() if "/interface-" in word)
+    assert os.path.dirname(interface).endswith(inductor_compile_time.INTERFACE_FOLDER) and os.path.isfile(interface)
+    for _, _, cmd in (wrapper, kernel):
+        snapshot = next(word for word in cmd.split() if word.endswith(".snapshot.cpp"))
+        assert not os.path.exists(snapshot)
+        with open(snapshot.replace(".snapshot.cpp", ".cpp")) as source:
+            assert "AOTInductorModelContainerRun(" not in source.read()
+    torch.testing.assert_close(compiled_mlp.compiled, compiled_mlp.expected, rtol=1e-5, atol=1e-5)
+
+
+def test_a_wrapper_source_splits_into_its_runtime_interface_and_the_graphs_own_code():
+    wrapper = ('\n#include <torch/csrc/inductor/aoti_include/cpu.h>\n// Definition of AOTI runtime interface functions\n'
+               '\n#include <torch/csrc/inductor/aoti_runtime/interface.h>\nextern "C" {\nint f() { return 1; }\n'
+               '} // extern "C"\n\nnamespace torch::aot_inductor {\nvoid g() {}\n}\n')
+    interface, model = inductor_compile_time.split_runtime_interface(wrapper)
+    assert interface.endswith('} // extern "C"\n') and "int f()" in interface and "void g()" not in interface
+    assert model == ("#include <torch/csrc/inductor/aoti_include/cpu.h>\n"
+                     "#include <torch/csrc/inductor/aoti_runtime/interface.h>\n"
+                     "\nnamespace torch::aot_inductor {\nvoid g() {}\n}\n")
+    assert inductor_compile_time.split_runtime_interface("void g() {}\n") is None
+
+
+def forget_vector_isa_checks() -> None:
+    """Drops the results of inductor's vector ISA checks kept in this process (not the files they built)."""
+    for cls in {cpu_vec_isa.VecISA, *(type(isa) for isa in cpu_vec_isa.supported_vec_isa_list)}:
+        for name in ("__bool__", "_VecISA__bool__impl"):
+            kept = cls.__dict__.get(name)
+            if hasattr(kept, "cache_clear"):
+                kept.cache_clear()
+    cpu_vec_isa.valid_vec_isa_list.cache_clear()
+
+
+def test_vector_isa_checks_run_at_once_in_the_background_and_leave_inductors_choice_as_it_was(monkeypatch, tmp_path):
+    supported = cpu_vec_isa.x86_isa_checker()
+    candidates = [isa for isa in cpu_vec_isa.supported_vec_isa_list
+                  if all(flag in supported for flag in str(isa).split())]
+    if len(candidates) < 2:
+        pytest.skip("this CPU has fewer than two vector ISAs for inductor to check")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # no check has been built here
+    monkeypatch.setattr(inductor_compile_time, "_isa_probes", None)
+    forget_vector_isa_checks()
+    builds = []  # (thread, start, end) of each g++ run
+    run_compile_cmd = cpp_builder.run_compile_cmd
+
+    def timed(cmd_line, cwd):
+        start = time.monotonic()
+        try:
+            return run_compile_cmd(cmd_line, cwd)
+        finally:
+            builds.append((threading.current_thread().name, start, time.monotonic()))
+
+    monkeypatch.setattr(cpp_builder, "run_compile_cmd", timed)
+    inductor_compile_time.probe_vector_isas_in_background()
+    results = [probe.result(timeout=300) for probe in inductor_compile_time._isa_probes]
+    assert len(results) == len(candidates) and results[-1]  # the last candidate, AVX2 at least, builds here
+    first_build = {}
+    for thread, start, end in builds:
+        first_build.setdefault(thread, (start, end))
+    assert len(first_build) == len(candidates)  # each check in a thread of its own
+    assert max(start for start, _ in first_build.values()) < min(end for _, end in first_build.values())
+    # Checked again one after the other, as inductor does (reusing the files built), each gives the same answer,
+    # and inductor's list of usable ISAs is made of them.
+    forget_vector_isa_checks()
+    assert [bool(isa) for isa in candidates] == results
+    assert cpu_vec_isa.valid_vec_isa_list() == [isa for isa, ok in zip(candidates, results) if ok]

@@ -35,6 +35,7 @@ from ..speculative.step import StepConstants, prefill, speculative_step, state_w
 from . import shared_constants
 from .inductor_compile_time import (
     REALIZE_OPCOUNT_THRESHOLD,
+    build_objects_at_once,
     compile_shared_micro_gemms,
     keep_parsed_index_expressions,
     keep_parsed_kernel_templates,
@@ -47,6 +48,7 @@ torch._dynamo.config.accumulated_recompile_limit = max(torch._dynamo.config.accu
 keep_parsed_kernel_templates()
 keep_parsed_index_expressions()
 compile_shared_micro_gemms()
+build_objects_at_once()
 
 # The shortest prompt width the one prefill package of full on CPU takes: at 3 rows or fewer attention takes another
 # path (grouped_attention), a branch a package of every length cannot hold. Shorter prompts are padded to it.

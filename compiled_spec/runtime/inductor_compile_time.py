@@ -4,13 +4,22 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import os
+import platform
 import re
+import shutil
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 import sympy
 import torch._inductor.compile_fx  # noqa: F401  first: cpp_template_kernel imported on its own is a circular import
-from torch._inductor.codecache import AotCodeCompiler
+from torch._inductor import cpp_builder, cpu_vec_isa
+from torch._inductor.codecache import LOCK_TIMEOUT, AotCodeCompiler
 from torch._inductor.codegen import cpp_template_kernel
 from torch._inductor.codegen.common import KernelTemplate
+from torch._inductor.cpp_builder import CppBuilder
+from torch._inductor.runtime.cache_dir_utils import cache_dir
+from torch.utils._filelock import FileLock
 
 # Inductor inlines a pointwise node into each of its uses until the inlined function has this many ops (default: 50
 # on CPU), and lowering evaluates the inlined function again for each use. The sampler's counter-based hash
@@ -97,3 +106,142 @@ def compile_shared_micro_gemms() -> None:
 
     compile_with_shared_micro_gemms.shares_micro_gemms = True
     AotCodeCompiler.compile = classmethod(compile_with_shared_micro_gemms)
+
+
+# The two object files of an AOTInductor library, built one after the other by AotCodeCompiler.compile.
+_OBJECT_SOURCES = (".wrapper.cpp", ".kernel.cpp")
+# Every wrapper source opens with the runtime interface, the same text in every graph.
+_INTERFACE_START = "// Definition of AOTI runtime interface functions"
+_INTERFACE_END = '\n} // extern "C"\n'
+INTERFACE_FOLDER = "compiled_spec_runtime_interface"
+
+
+def split_runtime_interface(wrapper_code: str) -> tuple[str, str] | None:
+    """(interface, model) of an AOTInductor wrapper source: the runtime interface it opens with (the C functions
+    the loader calls, over the model container) and the graph's own code, with the headers the interface part
+    includes in front. None when the source does not open that way."""
+    start = wrapper_code.find(_INTERFACE_START)
+    end = wrapper_code.find(_INTERFACE_END, start)
+    if start < 0 or end < 0:
+        return None
+    end += len(_INTERFACE_END)
+    interface = wrapper_code[:end]
+    includes = "".join(f"{line}\n" for line in interface.splitlines() if line.startswith("#include"))
+    return interface, includes + wrapper_code[end:]
+
+
+def _object_source(builder: CppBuilder) -> str | None:
+    """The source of a builder that compiles the wrapper's or the kernels' object file, else None."""
+    source = builder._sources_args
+    if builder._compile_only and source.endswith(_OBJECT_SOURCES) and " " not in source and os.path.isfile(source):
+        return source
+    return None
+
+
+def _build_from_snapshot(build, builder: CppBuilder, source: str) -> None:
+    """Builds from a copy of the source: AotCodeCompiler appends the build commands to the source as comments
+    while g++ may still be reading it."""
+    snapshot = f"{source[:-len('.cpp')]}.snapshot.cpp"
+    shutil.copyfile(source, snapshot)
+    builder._sources_args = snapshot
+    try:
+        build(builder)
+    finally:
+        builder._sources_args = source
+        os.remove(snapshot)
+
+
+def _interface_object(interface: str, command: str, source: str, target: str) -> str:
+    """The object file of the runtime interface, built with the wrapper's command line (which compiles `source` into
+    `target`) once per cache folder and kept there: a compile process that finds it, or waits for another one
+    building it, uses it as it is."""
+    key = hashlib.sha256(f"{interface}\0{command.replace(source, '<source>').replace(target, '<object>')}"
+                         .encode()).hexdigest()[:24]
+    folder = os.path.join(cache_dir(), INTERFACE_FOLDER)
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, f"interface-{key}.o")
+    with FileLock(f"{path}.lock", timeout=LOCK_TIMEOUT):
+        if not os.path.exists(path):
+            partial = os.path.join(folder, f"interface-{key}.{os.getpid()}")
+            with open(f"{partial}.cpp", "w") as file:
+                file.write(interface)
+            try:
+                command = command.replace(source, f"{partial}.cpp").replace(target, f"{partial}.o")
+                cpp_builder.run_compile_cmd(command, cwd=folder)
+                os.replace(f"{partial}.o", path)
+            finally:
+                os.remove(f"{partial}.cpp")
+    return path
+
+
+def build_objects_at_once() -> None:
+    """Every AOTInductor compile in this process builds its object files at once and links when all are done, and
+    builds the runtime interface (the opening quarter of each wrapper source, the same in every graph) once per
+    cache folder instead of in every wrapper.
+
+    AotCodeCompiler builds the wrapper's and the kernels' objects one after the other: for the default model's
+    batch-1 step 11.4 s and 7.7 s. Its wrapper took 14.9 s at -O1 in one measurement, 11.2 s without the interface,
+    and the interface 4.3 s alone. The objects compiled are the same code as before, split in two files."""
+    compile_library = AotCodeCompiler.compile.__func__
+    if getattr(compile_library, "builds_objects_at_once", False):
+        return
+    build = CppBuilder.build
+    pool = ThreadPoolExecutor(len(_OBJECT_SOURCES) + 1, thread_name_prefix="object-build")
+
+    def compile_with_objects_at_once(cls, graph, wrapper_code, *args, **kwargs):
+        owner = threading.get_ident()
+        pending: list[Future] = []
+        interface: list[Future] = []
+        # A C++-only package (for CMake) must hold the whole wrapper source.
+        split = None if torch._inductor.config.aot_inductor.package_cpp_only else split_runtime_interface(wrapper_code)
+
+        def build_at_once(builder):
+            source = _object_source(builder) if threading.get_ident() == owner else None
+            if source is None:  # the link, a header, the constants, or another thread's build
+                for job in pending:
+                    job.result()  # the link reads every object file
+                if interface and threading.get_ident() == owner and ".wrapper.o" in builder._sources_args:
+                    builder._sources_args += f" {interface[0].result()}"
+                return build(builder)
+            if split is not None and source.endswith(".wrapper.cpp"):
+                command = builder.get_command_line()
+                interface.append(pool.submit(_interface_object, split[0], command, source,
+                                             builder.get_target_file_path()))
+            pending.append(pool.submit(_build_from_snapshot, build, builder, source))
+
+        CppBuilder.build = build_at_once
+        try:
+            library = compile_library(cls, graph, split[1] if split else wrapper_code, *args, **kwargs)
+        finally:
+            CppBuilder.build = build
+            wait(pending + interface)
+        for job in pending + interface:
+            job.result()
+        return library
+
+    compile_with_objects_at_once.builds_objects_at_once = True
+    AotCodeCompiler.compile = classmethod(compile_with_objects_at_once)
+
+
+_isa_probes: list[Future] | None = None
+
+
+def probe_vector_isas_in_background() -> None:
+    """Starts inductor's checks of which vector instruction sets g++ can build (AVX-512, AVX2, ...) at once, in
+    threads, so that they run while the first graph is still being traced.
+
+    Inductor makes them the first time it needs the vector ISA, one after the other: four g++ builds of its
+    vector headers, 10.7 s here, once per cache folder. Compile processes that start together wait on one another's
+    locks for them. Each check is cached by inductor, so the later lookups return its result."""
+    global _isa_probes
+    if _isa_probes is not None or platform.machine() not in ("x86_64", "AMD64"):
+        return
+    supported = cpu_vec_isa.x86_isa_checker()
+    candidates = [isa for isa in cpu_vec_isa.supported_vec_isa_list
+                  if all(flag in supported for flag in str(isa).split())]
+    if not candidates:
+        _isa_probes = []
+        return
+    probes = ThreadPoolExecutor(len(candidates), thread_name_prefix="isa-probe")
+    _isa_probes = [probes.submit(bool, isa) for isa in candidates]
+    probes.shutdown(wait=False)
