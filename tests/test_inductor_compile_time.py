@@ -137,7 +137,8 @@ def test_the_objects_build_at_once_the_runtime_interface_apart_and_the_link_wait
 
 
 def test_a_wrapper_source_splits_into_its_runtime_interface_and_the_graphs_own_code():
-    wrapper = ('\n#include <torch/csrc/inductor/aoti_include/cpu.h>\n// Definition of AOTI runtime interface functions\n'
+    wrapper = ('\n#include <torch/csrc/inductor/aoti_include/cpu.h>\n'
+               '// Definition of AOTI runtime interface functions\n'
                '\n#include <torch/csrc/inductor/aoti_runtime/interface.h>\nextern "C" {\nint f() { return 1; }\n'
                '} // extern "C"\n\nnamespace torch::aot_inductor {\nvoid g() {}\n}\n')
     interface, model = inductor_compile_time.split_runtime_interface(wrapper)
