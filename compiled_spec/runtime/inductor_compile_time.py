@@ -191,22 +191,25 @@ def build_objects_at_once() -> None:
     def compile_with_objects_at_once(cls, graph, wrapper_code, *args, **kwargs):
         owner = threading.get_ident()
         pending: list[Future] = []
-        interface: list[Future] = []
+        interface: Future | None = None  # the interface object's path
         # A C++-only package (for CMake) must hold the whole wrapper source.
         split = None if torch._inductor.config.aot_inductor.package_cpp_only else split_runtime_interface(wrapper_code)
 
         def build_at_once(builder):
-            source = _object_source(builder) if threading.get_ident() == owner else None
-            if source is None:  # the link, a header, the constants, or another thread's build
+            nonlocal interface
+            if threading.get_ident() != owner:  # another thread's build (an ISA check): not this library's
+                return build(builder)
+            source = _object_source(builder)
+            if source is None:  # the link, a header, the constants
                 for job in pending:
                     job.result()  # the link reads every object file
-                if interface and threading.get_ident() == owner and ".wrapper.o" in builder._sources_args:
-                    builder._sources_args += f" {interface[0].result()}"
+                if interface is not None and ".wrapper.o" in builder._sources_args:
+                    builder._sources_args += f" {interface.result()}"
                 return build(builder)
             if split is not None and source.endswith(".wrapper.cpp"):
-                command = builder.get_command_line()
-                interface.append(pool.submit(_interface_object, split[0], command, source,
-                                             builder.get_target_file_path()))
+                interface = pool.submit(_interface_object, split[0], builder.get_command_line(), source,
+                                        builder.get_target_file_path())
+                pending.append(interface)
             pending.append(pool.submit(_build_from_snapshot, build, builder, source))
 
         CppBuilder.build = build_at_once
@@ -214,8 +217,8 @@ def build_objects_at_once() -> None:
             library = compile_library(cls, graph, split[1] if split else wrapper_code, *args, **kwargs)
         finally:
             CppBuilder.build = build
-            wait(pending + interface)
-        for job in pending + interface:
+            wait(pending)
+        for job in pending:
             job.result()
         return library
 
