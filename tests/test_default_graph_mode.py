@@ -1,3 +1,6 @@
+import subprocess
+import sys
+
 import pytest
 
 from compiled_spec import LLM, CompiledSpecError, GraphMode
@@ -41,3 +44,19 @@ def test_a_bad_count_of_compile_processes_is_named(tiny_checkpoint, monkeypatch)
     monkeypatch.setenv("COMPILED_SPEC_COMPILE_WORKERS", "two")
     with pytest.raises(CompiledSpecError, match="COMPILED_SPEC_COMPILE_WORKERS='two' is not a whole number"):
         LLM(path, max_seq_len=32, graph_mode="full", warm_up=False)
+
+
+def test_the_compile_child_starts_its_workers_before_importing_torch():
+    """The compile child (`python -m compiled_spec.runtime.compile_worker`) imports nothing heavy before it starts its
+    worker processes, which import torch at the same time; the public names still load on first use."""
+    code = ("import sys, compiled_spec.runtime.compile_worker\n"
+            "print(sorted(m for m in ('torch', 'transformers', 'compiled_spec.api') if m in sys.modules))\n"
+            "from compiled_spec import LLM, SamplingParams\n"
+            "print(LLM.__module__, SamplingParams.__module__, 'torch' in sys.modules)")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == ["[]", "compiled_spec.api compiled_spec.params True"]
+    import compiled_spec
+
+    with pytest.raises(AttributeError, match="module 'compiled_spec' has no attribute 'Engine'"):
+        compiled_spec.Engine

@@ -95,7 +95,7 @@ def test_acceptance_and_outputs_equal_eager(eager_result, compiled_result):
 
 
 def expected_graphs(mode: str) -> int:
-    """One graph per batch bucket and per prefill bucket; full on CPU: one step package for batches 2 to 4 and one
+    """One graph per batch bucket and per prefill bucket; full on CPU: one step package for batches 1 to 4 and one
     prefill package for every prompt width up to 16."""
     return 2 if mode == "full" else len(ENGINE["batch_buckets"]) + len(ENGINE["prefill_buckets"])
 
@@ -158,16 +158,32 @@ def test_full_on_cpu_prefills_each_prompt_at_its_own_width_with_one_package(work
 
 @pytest.mark.parametrize("compiled_result", ["full"], indirect=True)
 def test_full_on_cpu_steps_each_batch_at_its_own_size_with_one_package(workload, compiled_result):
-    """full on CPU compiles one step package for every batch from 2 up to the largest bucket: a step over 3 requests
-    runs 3 lanes, not the 4 of its bucket (a single request runs 2, as batch 1 is not among these buckets)."""
+    """full on CPU compiles one step package for every batch up to the largest bucket: a step over 3 requests runs 3
+    lanes, not the 4 of its bucket, and a step over a single request runs 1, not the 2 of its bucket."""
     path, prompts = workload
     engine = compiled_result["llm"].engine
-    assert engine.runner.step_batches == (2, ENGINE["batch_buckets"][-1])
+    assert engine.runner.step_batches == (1, ENGINE["batch_buckets"][-1])
     packages = engine.runner.packages()
     sizes = [(args[0], requests) for args, requests in rerun_recording(compiled_result, prompts, "step")]
-    assert {batch for batch, _ in sizes} == {2, 3, 4}
-    assert all(batch == max(requests, 2) for batch, requests in sizes)
+    assert {batch for batch, _ in sizes} == {1, 2, 3, 4}
+    assert all(batch == requests for batch, requests in sizes)
     assert engine.runner.packages() == packages  # no package compiled or loaded for any of those batches
+
+
+def test_full_on_cpu_keeps_a_static_step_package_per_batch_bucket_below_a_largest_batch_of_3(tiny_checkpoint):
+    """One step package takes every batch from 1 up when the largest batch bucket is 3 or more; below, each batch
+    bucket keeps a static package (a range of two sizes does not pay for the dynamic batch's longer compile)."""
+    path = tiny_checkpoint("predictive").path
+
+    def steps(buckets):
+        llm = LLM(path, graph_mode="full", max_batch_size=buckets[-1], batch_buckets=buckets, max_seq_len=32,
+                  warm_up=False, show_progress=False)
+        graphs = [graph for graph in llm.engine.warm_up_graphs() if graph[0] == "step"]
+        return llm.engine.runner.step_batches, graphs
+
+    assert steps((1, 2)) == (None, [("step", 2, None), ("step", 1, None)])
+    assert steps((1, 2, 3)) == ((1, 3), [("step", 3, None)])
+    assert steps((4,)) == ((1, 4), [("step", 4, None)])
 
 
 @pytest.mark.parametrize("compiled_result", ["full"], indirect=True)

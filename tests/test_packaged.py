@@ -62,7 +62,7 @@ def test_one_prefill_package_covers_every_prompt_width_in_its_range(tiny_checkpo
 
 
 def test_a_size_outside_the_range_gets_a_package_of_its_own_size():
-    """The one step package of full on CPU covers batches 2 and up; batch 1 keeps a static package."""
+    """A call outside a DynamicSize's range (here batches 2 to 8) gets a static package of its own size."""
     batches = DynamicSize(arg=0, dim=0, low=2, high=8)
     lanes = {size: (torch.zeros(size, dtype=torch.int64),) for size in (1, 2, 5, 8, 9)}
     assert batches.bucket(lanes[2]) == batches.bucket(lanes[5]) == batches.bucket(lanes[8]) == (("2to8",),)

@@ -119,8 +119,9 @@ class Engine:
         if the runner compiles prefill, each prefill bucket (or, full on CPU, one prefill package for every width up
         to the largest), for every k with auto (else k None: every draft slot).
 
-        Full on CPU: one step package for every batch from 2 up (the longest compile, so it goes first), then the one
-        prefill package, then batch 1's step; compile processes take them in this order."""
+        Full on CPU: the one step package for every batch (the longest compile, so it goes first), then the one
+        prefill package, then the step of any batch bucket below the step package's range; compile processes take
+        them in this order."""
         runner = runner or self.runner
         ks = self.draft_lengths()
         if runner.step_batches:

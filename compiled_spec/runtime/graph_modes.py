@@ -6,7 +6,7 @@ replayed as CUDA graphs and attention runs between them, on CPU the pieces are c
 attention runs as the op's own kernel. full: the whole step as one max-autotune graph per bucket,
 replayed by cudagraph trees on CUDA; on CPU frozen (so max-autotune tunes GEMMs over constant weights)
 and compiled ahead of time into packages that later processes load (runtime/packaged.py): one step package
-for batch 1 and one for every larger batch, one prefill package for every prompt width up to the largest bucket.
+for every batch up to the largest bucket, one prefill package for every prompt width up to the largest bucket.
 
 In piecewise and full the runner captures the state's buffers once and calls every graph on
 exactly those buffers, as a replayed CUDA graph would: anything that rebinds a state field
@@ -53,9 +53,12 @@ build_objects_at_once()
 # The shortest prompt width the one prefill package of full on CPU takes: at 3 rows or fewer attention takes another
 # path (grouped_attention), a branch a package of every length cannot hold. Shorter prompts are padded to it.
 PACKAGED_PREFILL_MIN_WIDTH = COMPILED_ATTENTION_MAX_ROWS + 1
-# The smallest batch the one step package of full on CPU takes. Batch 1 keeps a package of its own: a step compiled
-# for every batch from 1 stepped 8.6% slower at batch 1 than the batch-1 graph (README, Start-up).
-PACKAGED_STEP_MIN_BATCH = 2
+# The one step package of full on CPU takes every batch from 1 up to the largest batch bucket. A package of batch 1's
+# own stepped 1-4% faster at batch 1, but was a third graph for the default buckets' cold start (README, Start-up).
+PACKAGED_STEP_MIN_BATCH = 1
+# Below this largest batch the batch buckets keep static packages: a range of 2 sizes does not pay for the dynamic
+# batch's longer compile (its traces carry the batch as a symbol).
+PACKAGED_STEP_MIN_LARGEST_BATCH = 3
 
 
 def inductor_options(mode: GraphMode, device: torch.device) -> dict:
@@ -125,7 +128,8 @@ class StepRunner:
         largest prompt width prefill is called with (the largest prefill bucket); with it, full on CPU compiles
         one prefill package (per k) for every width from PACKAGED_PREFILL_MIN_WIDTH up to it (prefill_widths).
         batch_size: the largest batch step is called with (the largest batch bucket); with it, full on CPU compiles
-        one step package (per k) for every batch from PACKAGED_STEP_MIN_BATCH up to it (step_batches)."""
+        one step package (per k) for every batch from PACKAGED_STEP_MIN_BATCH up to it (step_batches), when it is
+        PACKAGED_STEP_MIN_LARGEST_BATCH or more."""
         self.mode = mode
         self.state = state
         self.draft_lengths = draft_lengths
@@ -154,7 +158,7 @@ class StepRunner:
         model_key = model_digest(model, constants) if options.get("freezing") else None
         if options.get("freezing") and prefill_width is not None and prefill_width > PACKAGED_PREFILL_MIN_WIDTH:
             self.prefill_widths = (PACKAGED_PREFILL_MIN_WIDTH, prefill_width)
-        if options.get("freezing") and batch_size is not None and batch_size > PACKAGED_STEP_MIN_BATCH:
+        if options.get("freezing") and batch_size is not None and batch_size >= PACKAGED_STEP_MIN_LARGEST_BATCH:
             self.step_batches = (PACKAGED_STEP_MIN_BATCH, batch_size)
 
         def compiled(name: str, function, num_drafts: int | None = None):
@@ -170,7 +174,7 @@ class StepRunner:
                     # prefill(slot, prompt_ids [1, width], prompt_len[, k]): one package for every width in range.
                     dynamic = DynamicSize(arg=1, dim=1, low=self.prefill_widths[0], high=self.prefill_widths[1])
                 elif function is step_function and self.step_batches:
-                    # step(lanes [batch][, k]): one package for every batch in range, and one for batch 1.
+                    # step(lanes [batch][, k]): one package for every batch in range.
                     function = over_lanes(function)
                     dynamic = DynamicSize(arg=0, dim=0, low=self.step_batches[0], high=self.step_batches[1])
                 return AheadOfTimeCompiled(function, manager, options, model_key, dynamic)
