@@ -170,22 +170,6 @@ def test_full_on_cpu_steps_each_batch_at_its_own_size_with_one_package(workload,
     assert engine.runner.packages() == packages  # no package compiled or loaded for any of those batches
 
 
-def test_full_on_cpu_keeps_a_static_step_package_per_batch_bucket_below_a_largest_batch_of_3(tiny_checkpoint):
-    """One step package takes every batch from 1 up when the largest batch bucket is 3 or more; below, each batch
-    bucket keeps a static package (a range of two sizes does not pay for the dynamic batch's longer compile)."""
-    path = tiny_checkpoint("predictive").path
-
-    def steps(buckets):
-        llm = LLM(path, graph_mode="full", max_batch_size=buckets[-1], batch_buckets=buckets, max_seq_len=32,
-                  warm_up=False, show_progress=False)
-        graphs = [graph for graph in llm.engine.warm_up_graphs() if graph[0] == "step"]
-        return llm.engine.runner.step_batches, graphs
-
-    assert steps((1, 2)) == (None, [("step", 2, None), ("step", 1, None)])
-    assert steps((1, 2, 3)) == ((1, 3), [("step", 3, None)])
-    assert steps((4,)) == ((1, 4), [("step", 4, None)])
-
-
 @pytest.mark.parametrize("compiled_result", ["full"], indirect=True)
 def test_a_second_full_engine_on_cpu_loads_every_bucket_instead_of_compiling(workload, compiled_result):
     """full on CPU keeps each bucket as an AOTInductor package; an engine of the same model and configuration

@@ -69,3 +69,19 @@ def test_a_size_outside_the_range_gets_a_package_of_its_own_size():
     assert [batches.covers(lanes[size]) for size in (1, 2, 8, 9)] == [False, True, True, False]
     assert batches.bucket(lanes[1]) == static_bucket(lanes[1]) == ((1,),)
     assert batches.bucket(lanes[9]) == ((9,),)
+
+
+def test_full_on_cpu_keeps_a_static_step_package_per_batch_bucket_below_a_largest_batch_of_3(tiny_checkpoint):
+    """One step package takes every batch from 1 up when the largest batch bucket is 3 or more; below, each batch
+    bucket keeps a static package (a range of two sizes does not pay for the dynamic batch's longer compile)."""
+    path = tiny_checkpoint("predictive").path
+
+    def steps(buckets):
+        llm = LLM(path, graph_mode="full", max_batch_size=buckets[-1], batch_buckets=buckets, max_seq_len=32,
+                  warm_up=False, show_progress=False)
+        graphs = [graph for graph in llm.engine.warm_up_graphs() if graph[0] == "step"]
+        return llm.engine.runner.step_batches, graphs
+
+    assert steps((1, 2)) == (None, [("step", 2, None), ("step", 1, None)])
+    assert steps((1, 2, 3)) == ((1, 3), [("step", 3, None)])
+    assert steps((4,)) == ((1, 4), [("step", 4, None)])
