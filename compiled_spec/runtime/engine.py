@@ -2,8 +2,8 @@
 
 Active requests occupy slots 0..n-1. Between steps the runtime admits requests into free slots
 (prefill) and frees finished ones by moving the last active slot into the hole, so the step always
-runs on a prefix of the slots, padded up to a batch bucket (full on CPU runs n requests on n lanes,
-one request on 2 when batch 1 is not a bucket: StepRunner.batch_for); padding lanes are free slots marked done.
+runs on a prefix of the slots, padded up to a batch bucket (full on CPU, with one step package for every batch,
+runs n requests on n lanes: StepRunner.batch_for); padding lanes are free slots marked done.
 """
 
 from __future__ import annotations
@@ -120,18 +120,14 @@ class Engine:
         to the largest), for every k with auto (else k None: every draft slot).
 
         Full on CPU: the one step package for every batch (the longest compile, so it goes first), then the one
-        prefill package, then the step of any batch bucket below the step package's range; compile processes take
-        them in this order."""
+        prefill package; compile processes take them in this order."""
         runner = runner or self.runner
         ks = self.draft_lengths()
-        if runner.step_batches:
-            sizes = [runner.step_batches[1]] + [size for size in self.batch_buckets if size < runner.step_batches[0]]
-        else:
-            sizes = list(reversed(self.batch_buckets))
+        sizes = [runner.step_batches[1]] if runner.step_batches else list(reversed(self.batch_buckets))
         graphs = [("step", size, k) for size in sizes for k in ks]
         if runner.prefill_widths:  # one package covers every width (full on CPU); the longest compiles go first
-            first = graphs[:len(ks)] if runner.step_batches else []
-            return first + [("prefill", runner.prefill_widths[1], k) for k in ks] + graphs[len(first):]
+            prefills = [("prefill", runner.prefill_widths[1], k) for k in ks]
+            return graphs + prefills if runner.step_batches else prefills + graphs
         if runner.compiles_prefill:
             graphs += [("prefill", size, k) for size in reversed(self.prefill_buckets) for k in ks]
         return graphs

@@ -232,10 +232,8 @@ class StepRunner:
 
     def batch_for(self, bucket: int, lanes: int) -> int:
         """The batch a step over `lanes` requests runs at: their batch bucket, or (the one step package of full on
-        CPU) their own number, from PACKAGED_STEP_MIN_BATCH up."""
-        if self.step_batches and bucket >= self.step_batches[0]:
-            return max(lanes, self.step_batches[0])
-        return bucket
+        CPU, which takes every batch) their own number."""
+        return lanes if self.step_batches else bucket
 
     def _batch_argument(self, batch_size: int):
         """What the step function takes for this batch: the number, or for the one step package a tensor of that
