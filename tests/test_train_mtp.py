@@ -152,3 +152,16 @@ def test_function_prompts_end_with_a_def_line_and_grow_stably(tmp_path):
     assert line_prompts(train, 5, 48, tokenizer, seed=1, ends=DEF_LINE) == prompts[:5]
     # Without `ends`, prompts end at any line end.
     assert sum(map(ends_with_a_def_line, line_prompts(train, 12, 48, tokenizer, seed=1))) < 6
+
+
+def test_chat_training_prompts_never_name_a_held_out_topic_and_keep_their_order():
+    from compiled_spec.training.mtp_corpus import (
+        CHAT_TEMPLATES, HELD_OUT_CHAT_TOPICS, LATER_CHAT_TOPICS, MORE_CHAT_TEMPLATES, chat_prompts)
+
+    train, held_out = chat_prompts(held_out=False), chat_prompts(held_out=True)
+    assert len(set(train)) == len(train) and not set(train) & set(held_out)
+    assert not [p for p in train if any(topic in p for topic in HELD_OUT_CHAT_TOPICS)]
+    # Topics added later come after every earlier prompt, so a cache of the earlier answers stays valid.
+    later = len(LATER_CHAT_TOPICS) * len(CHAT_TEMPLATES + MORE_CHAT_TEMPLATES)
+    assert all(LATER_CHAT_TOPICS[0] not in p for p in train[:-later])
+    assert train[-later] == CHAT_TEMPLATES[0].format(topic=LATER_CHAT_TOPICS[0])

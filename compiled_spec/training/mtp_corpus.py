@@ -62,6 +62,20 @@ MORE_CHAT_TOPICS = (
     "sorting a list in Python", "the design of chairs", "probability", "mountain climbing",
     "the Japanese tea ceremony", "graph algorithms", "recycling",
 )
+# Topics added after all of the above (each with every template), so the earlier prompts keep their order.
+LATER_CHAT_TOPICS = (
+    "the French language", "bicycles", "the water table", "learning to swim", "the Moon's phases", "glaciers",
+    "home insulation", "the Vikings", "simple interest", "sourdough starters", "lighthouses", "the blockchain",
+    "houseplants", "the Mongol empire", "the speed of light", "card games", "writing a resume", "bridges",
+    "the circulatory system", "wind turbines", "the Python dictionary", "string formatting in Python",
+    "sorting files on a computer", "the Greek myths", "volunteering", "the rainbow", "keyboard shortcuts",
+    "the Pythagorean theorem", "photography", "deserts", "lists in Python", "the human skeleton", "wolves",
+    "the American civil war", "soap making", "climbing stairs for exercise", "the Fibonacci sequence",
+    "email etiquette", "the ancient Greeks", "solar panels", "decision trees", "coral reefs", "the piano",
+    "writing clean code", "the stars", "the Eiffel Tower", "choosing a laptop", "logarithms", "penguins",
+    "exception handling in Python", "the postal service", "team sports", "the weather forecast", "mushrooms",
+    "command line basics", "the Titanic", "kindness", "the number zero", "trains", "reading more books",
+)
 # A function's `def` line, at module level or in a class: a code prompt ending with one asks the model for the body.
 DEF_LINE = re.compile(r"^    def \w+\(.*\):\n|^def \w+\(.*\):\n", re.MULTILINE)
 HELD_OUT_CHAT_TOPICS = (
@@ -115,8 +129,10 @@ def prose_texts(work_dir: Path, held_out_works: list[str], max_chars: int) -> tu
 def chat_prompts(held_out: bool) -> list[str]:
     if held_out:
         return [template.format(topic=topic) for topic in HELD_OUT_CHAT_TOPICS for template in CHAT_TEMPLATES]
-    return [template.format(topic=topic) for topics in (CHAT_TOPICS, MORE_CHAT_TOPICS)
-            for templates in (CHAT_TEMPLATES, MORE_CHAT_TEMPLATES) for topic in topics for template in templates]
+    earlier = [template.format(topic=topic) for topics in (CHAT_TOPICS, MORE_CHAT_TOPICS)
+               for templates in (CHAT_TEMPLATES, MORE_CHAT_TEMPLATES) for topic in topics for template in templates]
+    return earlier + [template.format(topic=topic) for topic in LATER_CHAT_TOPICS
+                      for template in CHAT_TEMPLATES + MORE_CHAT_TEMPLATES]
 
 
 def line_prompts(texts: list[str], count: int, max_tokens: int, tokenizer, seed: int,
