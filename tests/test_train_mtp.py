@@ -18,7 +18,8 @@ def tiny_config(tmp_path, base) -> dict:
     config = load_config(None, {"model": str(base), "work_dir": str(tmp_path / "work"),
                                 "output_dir": str(tmp_path / "mtp"), "draft_vocab_size": 96})
     config["corpus"].update(domains=["code", "chat"], code_chars=24000, prompts={"code": 24, "chat": 8},
-                            function_prompts=8, prompt_tokens=24, held_out_prompts=4, generate_batch_size=16)
+                            function_prompts=8, later_code_chars=12000, later_code_prompts=4,
+                            later_function_prompts=4, prompt_tokens=24, held_out_prompts=4, generate_batch_size=16)
     config["training"].update(num_threads=1, sequence_length=128, batch_size=8, max_steps=40, warmup_steps=4,
                               learning_rate=3e-3, log_every=1, eval_every=20, eval_windows=4, checkpoint_every=10,
                               distill_fraction=0.5)
@@ -46,7 +47,7 @@ def test_train_mtp_learns_the_base_models_predictions_resumes_and_attaches(tmp_p
     first, final = log["history"]["validation"][0], log["final_validation"]
     assert [row["step"] for row in log["history"]["validation"]] == [20, 40]
     # Code: 24 line prompts and 8 ending with a def line, train and held out alike.
-    assert log["train_tokens"] == {"code": (24 + 8) * 128, "chat": 8 * 128}
+    assert log["train_tokens"] == {"code": (24 + 8 + 4 + 4) * 128, "chat": 8 * 128}
     assert log["held_out_tokens"] == {"code": (4 + 4) * 128, "chat": 4 * 128}
     train_rows = log["history"]["train"]
     for depth in range(2):
@@ -152,6 +153,27 @@ def test_function_prompts_end_with_a_def_line_and_grow_stably(tmp_path):
     assert line_prompts(train, 5, 48, tokenizer, seed=1, ends=DEF_LINE) == prompts[:5]
     # Without `ends`, prompts end at any line end.
     assert sum(map(ends_with_a_def_line, line_prompts(train, 12, 48, tokenizer, seed=1))) < 6
+
+
+def test_later_code_prompts_come_after_the_earlier_ones_from_modules_of_their_own(tmp_path):
+    from compiled_spec.tokenizer import load_tokenizer
+    from compiled_spec.training.mtp_corpus import code_texts
+    from compiled_spec.training.train_mtp import domain_prompts
+
+    tokenizer = load_tokenizer(write_chat_model(tmp_path / "base"))
+    config = load_config(None, {})
+    config["corpus"].update(domains=["code"], code_chars=100_000, prompts={"code": 6}, function_prompts=6,
+                            held_out_prompts=2, prompt_tokens=48, later_code_chars=0)
+    earlier, earlier_held_out = domain_prompts(config, tokenizer, tmp_path)["code"]
+    config["corpus"].update(later_code_chars=100_000, later_code_prompts=8, later_function_prompts=12)
+    train, held_out = domain_prompts(config, tokenizer, tmp_path)["code"]
+    assert len(earlier) == 12 and train[:12] == earlier and held_out == earlier_held_out
+    later = train[12:]
+    assert len(later) == 20 and len(set(map(tuple, later))) == 20
+    earlier_text = "".join(code_texts(100_000, 10)[0])
+    later_texts = [tokenizer.decode(p) for p in later]
+    assert all(text.strip() and text not in earlier_text for text in later_texts)
+    assert all(text in earlier_text for text in map(tokenizer.decode, earlier))
 
 
 def test_chat_training_prompts_never_name_a_held_out_topic_and_keep_their_order():

@@ -1,5 +1,9 @@
 import json
+import resource
+import subprocess
+import sys
 
+import pytest
 import torch
 from safetensors.torch import load_file
 from transformers import AutoTokenizer, LlamaForCausalLM
@@ -91,3 +95,35 @@ def test_mtp_rows_are_causal():
             # depth d row i reads tokens up to i + d, so rows before 15 - d cannot see the change
             torch.testing.assert_close(before[:, : 15 - depth], after[:, : 15 - depth])
             assert not torch.allclose(before[:, 15 - depth], after[:, 15 - depth])
+
+
+FAULTS_PER_ROUND = """
+import ctypes, resource, sys, tempfile
+from compiled_spec.training import loop
+if sys.argv[1] == "training":
+    work = tempfile.mkdtemp()
+    loop.prepare({"seed": 0, "training": {"num_threads": 1}, "work_dir": work, "output_dir": work})
+libc = ctypes.CDLL("libc.so.6")
+libc.malloc.restype, libc.malloc.argtypes, libc.free.argtypes = ctypes.c_void_p, [ctypes.c_size_t], [ctypes.c_void_p]
+size, faults = 96 << 20, []
+for _ in range(3):
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    block = libc.malloc(size)
+    ctypes.memset(block, 1, size)
+    libc.free(block)
+    faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+print(*faults)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="mallopt is glibc's")
+def test_training_keeps_large_freed_blocks_instead_of_faulting_them_back_in():
+    def faults_per_round(mode):
+        out = subprocess.run([sys.executable, "-c", FAULTS_PER_ROUND, mode], capture_output=True, text=True, check=True)
+        return [int(n) for n in out.stdout.split()]
+
+    pages = (96 << 20) // resource.getpagesize()
+    default, kept = faults_per_round("default"), faults_per_round("training")
+    # glibc's default maps a block this large afresh each time; kept, only the first round touches new pages.
+    assert all(n > pages * 0.9 for n in default), default
+    assert kept[0] > pages * 0.9 and max(kept[1:]) < pages * 0.01, kept

@@ -75,6 +75,24 @@ LATER_CHAT_TOPICS = (
     "writing clean code", "the stars", "the Eiffel Tower", "choosing a laptop", "logarithms", "penguins",
     "exception handling in Python", "the postal service", "team sports", "the weather forecast", "mushrooms",
     "command line basics", "the Titanic", "kindness", "the number zero", "trains", "reading more books",
+    "the Nile river", "learning to draw", "binary search", "the Aztec empire", "compound interest", "fermentation",
+    "the human eye", "public libraries", "sharks", "French cooking", "generators in Python", "rock climbing",
+    "the Hubble telescope", "writing a novel", "statistics", "electric circuits", "the Ottoman empire",
+    "stacks and queues", "tornadoes", "urban gardening", "the theory of relativity", "making pasta",
+    "list comprehensions in Python", "the Incas", "nutrition labels", "hiking safety", "digital privacy",
+    "the Great Depression", "matrix multiplication", "butterflies", "home workouts", "the history of jazz",
+    "decorators in Python", "the Sahara desert", "car maintenance", "quantum computing", "the northern lights",
+    "origami", "dynamic programming", "elephants", "renting an apartment", "the nitrogen cycle", "calligraphy",
+    "the Ming dynasty", "unit conversion", "the structure of DNA", "file handling in Python", "pollination",
+    "the Maya civilization", "customer service", "hurricanes", "big O notation", "board games",
+    "the digestive system", "skateboarding", "inflation", "tidying a room", "JSON files", "octopuses",
+    "the history of chocolate", "nuclear power", "doing laundry", "the Persian empire", "web servers",
+    "the scientific method", "making ice cream", "bird migration", "the impressionist painters", "vegetable soup",
+    "async programming in Python", "the Arctic", "the Magna Carta", "geometry", "learning to juggle",
+    "freshwater lakes", "the telephone", "autumn leaves", "typing faster", "the Spanish language", "dolphins",
+    "cheese making", "the speed of sound", "data visualization", "steam engines", "writing a thank-you note",
+    "classes and inheritance in Python", "the Colosseum", "the rock cycle", "fire safety", "the Black Death",
+    "counting calories", "SQL queries", "the Wright brothers", "snowflakes",
 )
 # A function's `def` line, at module level or in a class: a code prompt ending with one asks the model for the body.
 DEF_LINE = re.compile(r"^    def \w+\(.*\):\n|^def \w+\(.*\):\n", re.MULTILINE)
@@ -136,14 +154,15 @@ def chat_prompts(held_out: bool) -> list[str]:
 
 
 def line_prompts(texts: list[str], count: int, max_tokens: int, tokenizer, seed: int,
-                 ends: re.Pattern | None = None) -> list[list[int]]:
+                 ends: re.Pattern | None = None, distinct: bool = False) -> list[list[int]]:
     """`count` prompts of at most max_tokens tokens (at least half that), each ending at a line end of one of the
     texts (or, with `ends`, at the end of the pattern's next match), at places drawn uniformly over all their
-    characters. The first n of a larger count are the same n."""
+    characters; with `distinct`, a prompt already drawn is passed over (a `def` line after a long stretch of text is
+    otherwise drawn often). The first n of a larger count are the same n."""
     rng = random.Random(seed)
     starts = list(itertools.accumulate((len(text) for text in texts), initial=0))
     total = starts.pop()
-    prompts, tries = [], 0
+    prompts, seen, tries = [], set(), 0
     while len(prompts) < count:
         tries += 1
         if tries > 20 * count + 100:
@@ -159,8 +178,9 @@ def line_prompts(texts: list[str], count: int, max_tokens: int, tokenizer, seed:
         if end == 0:
             continue
         ids = tokenizer.encode(text[max(0, end - 8 * max_tokens):end], add_special_tokens=False)[-max_tokens:]
-        if len(ids) >= max_tokens // 2:
+        if len(ids) >= max_tokens // 2 and not (distinct and tuple(ids) in seen):
             prompts.append(ids)
+            seen.add(tuple(ids))
     return prompts
 
 

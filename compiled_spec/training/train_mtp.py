@@ -85,6 +85,16 @@ def domain_prompts(config: dict, tokenizer, work_dir: Path) -> dict[str, tuple[l
                                               config["seed"] + 1, ends=DEF_LINE)
                 held_out_prompts += line_prompts(held_out, held_out_count, length, tokenizer, config["seed"] + 1,
                                                  ends=DEF_LINE)
+            if domain == "code" and corpus.get("later_code_chars", 0):
+                # Modules past the first code_chars (code_texts keeps its order as the limit grows), with prompts
+                # of their own after all of the above, so the windows cached for those are kept. The held-out
+                # modules stay those of code_chars.
+                more, _ = code_texts(corpus["code_chars"] + corpus["later_code_chars"], corpus["code_held_out_percent"])
+                later = more[len(train):]
+                train_prompts += line_prompts(later, corpus["later_code_prompts"], length, tokenizer,
+                                              config["seed"] + 2, distinct=True)
+                train_prompts += line_prompts(later, corpus["later_function_prompts"], length, tokenizer,
+                                              config["seed"] + 3, ends=DEF_LINE, distinct=True)
             out[domain] = (train_prompts, held_out_prompts)
         elif domain == "chat":
             def templated(questions):
