@@ -2,6 +2,7 @@
 resumes where it stopped, and the output attaches to the base losslessly with a sub-vocabulary head."""
 
 import json
+import re
 
 from click.testing import CliRunner
 from safetensors.torch import load_file
@@ -19,7 +20,8 @@ def tiny_config(tmp_path, base) -> dict:
                                 "output_dir": str(tmp_path / "mtp"), "draft_vocab_size": 96})
     config["corpus"].update(domains=["code", "chat"], code_chars=24000, prompts={"code": 24, "chat": 8},
                             function_prompts=8, later_code_chars=12000, later_code_prompts=4,
-                            later_function_prompts=4, prompt_tokens=24, held_out_prompts=4, generate_batch_size=16)
+                            later_function_prompts=4, fresh_code_prompts=2, fresh_function_prompts=2,
+                            prompt_tokens=24, held_out_prompts=4, generate_batch_size=16)
     config["training"].update(num_threads=1, sequence_length=128, batch_size=8, max_steps=40, warmup_steps=4,
                               learning_rate=3e-3, log_every=1, eval_every=20, eval_windows=4, checkpoint_every=10,
                               distill_fraction=0.5)
@@ -47,8 +49,8 @@ def test_train_mtp_learns_the_base_models_predictions_resumes_and_attaches(tmp_p
     first, final = log["history"]["validation"][0], log["final_validation"]
     assert [row["step"] for row in log["history"]["validation"]] == [20, 40]
     # Code: 24 line prompts and 8 ending with a def line, train and held out alike; in training, 4 + 4 more from
-    # the modules past code_chars.
-    assert log["train_tokens"] == {"code": (24 + 8 + 4 + 4) * 128, "chat": 8 * 128}
+    # the modules past code_chars and 2 + 2 fresh draws over all of them.
+    assert log["train_tokens"] == {"code": (24 + 8 + 4 + 4 + 2 + 2) * 128, "chat": 8 * 128}
     assert log["held_out_tokens"] == {"code": (4 + 4) * 128, "chat": 4 * 128}
     train_rows = log["history"]["train"]
     for depth in range(2):
@@ -164,7 +166,8 @@ def test_later_code_prompts_come_after_the_earlier_ones_from_modules_of_their_ow
     tokenizer = load_tokenizer(write_chat_model(tmp_path / "base"))
     config = load_config(None, {})
     config["corpus"].update(domains=["code"], code_chars=100_000, prompts={"code": 6}, function_prompts=6,
-                            held_out_prompts=2, prompt_tokens=48, later_code_chars=0)
+                            held_out_prompts=2, prompt_tokens=48, later_code_chars=0, fresh_code_prompts=0,
+                            fresh_function_prompts=0)
     earlier, earlier_held_out = domain_prompts(config, tokenizer, tmp_path)["code"]
     config["corpus"].update(later_code_chars=100_000, later_code_prompts=8, later_function_prompts=12)
     train, held_out = domain_prompts(config, tokenizer, tmp_path)["code"]
@@ -175,6 +178,38 @@ def test_later_code_prompts_come_after_the_earlier_ones_from_modules_of_their_ow
     later_texts = [tokenizer.decode(p) for p in later]
     assert all(text.strip() and text not in earlier_text for text in later_texts)
     assert all(text in earlier_text for text in map(tokenizer.decode, earlier))
+
+
+def test_fresh_code_prompts_come_last_and_repeat_no_earlier_prompt(tmp_path):
+    """Fresh draws over every training module (earlier and later) follow all the other code prompts, which stay as
+    they were; each is new: no fresh prompt repeats another or any earlier one, and the held-out prompts do not
+    change."""
+    from compiled_spec.tokenizer import load_tokenizer
+    from compiled_spec.training.mtp_corpus import code_texts
+    from compiled_spec.training.train_mtp import domain_prompts
+
+    tokenizer = load_tokenizer(write_chat_model(tmp_path / "base"))
+    config = load_config(None, {})
+    # Few modules and many def-line prompts, so that the earlier draws already repeat and a fresh draw often
+    # lands on one of them.
+    config["corpus"].update(domains=["code"], code_chars=100_000, prompts={"code": 6}, function_prompts=60,
+                            held_out_prompts=2, prompt_tokens=48, later_code_chars=100_000, later_code_prompts=4,
+                            later_function_prompts=4, fresh_code_prompts=0, fresh_function_prompts=0)
+    earlier, earlier_held_out = domain_prompts(config, tokenizer, tmp_path)["code"]
+    assert len(set(map(tuple, earlier))) < len(earlier)
+    config["corpus"].update(fresh_code_prompts=10, fresh_function_prompts=10)
+    train, held_out = domain_prompts(config, tokenizer, tmp_path)["code"]
+    assert train[:len(earlier)] == earlier and held_out == earlier_held_out
+    fresh = train[len(earlier):]
+    assert len(fresh) == 20 and len(set(map(tuple, fresh))) == 20
+    assert not set(map(tuple, fresh)) & set(map(tuple, earlier))
+    all_text = "".join(code_texts(200_000, 10)[0])
+    fresh_texts = [tokenizer.decode(p) for p in fresh]
+    assert all(text in all_text for text in fresh_texts)
+    # A prompt short enough may start inside its def line's indentation.
+    last_lines = [text[text.rstrip("\n").rfind("\n") + 1:] for text in fresh_texts]
+    assert all(re.fullmatch(r" *def \w+\(.*\):\n", line) for line in last_lines[10:])
+    assert not all(re.fullmatch(r" *def \w+\(.*\):\n", line) for line in last_lines[:10])
 
 
 def test_chat_training_prompts_never_name_a_held_out_topic_and_keep_their_order():

@@ -93,6 +93,40 @@ LATER_CHAT_TOPICS = (
     "cheese making", "the speed of sound", "data visualization", "steam engines", "writing a thank-you note",
     "classes and inheritance in Python", "the Colosseum", "the rock cycle", "fire safety", "the Black Death",
     "counting calories", "SQL queries", "the Wright brothers", "snowflakes",
+    "the Industrial Age in Britain", "tide pools", "learning to knit socks", "the Andes mountains", "kites",
+    "the human lungs", "writing a haiku", "the Panama Canal", "rainwater harvesting", "sets in Python",
+    "tuples in Python", "the Louvre museum", "sunflowers", "the Roman alphabet", "saving for retirement",
+    "the French Alps", "paper making", "electric guitars", "the kidneys", "sea turtles", "growing strawberries",
+    "the history of the bicycle", "weaving baskets", "the Great Barrier Reef", "string methods in Python",
+    "the while loop", "for loops in Python", "lambda functions", "the Python standard library",
+    "virtual environments in Python", "reading CSV files", "writing unit tests with pytest", "type hints in Python",
+    "the Linux terminal", "HTTP requests", "HTML basics", "CSS layouts", "JavaScript promises", "REST APIs",
+    "linear regression", "neural networks", "the bubble sort", "merge sort", "quicksort", "trees in computer science",
+    "breadth-first search", "depth-first search", "caching", "memory management", "threads and processes",
+    "text encoding and Unicode", "floating point numbers", "random numbers", "date and time handling",
+    "command line arguments", "logging in Python", "debugging a program", "code reviews", "pair programming",
+    "the history of computers", "Alan Turing", "Ada Lovelace", "the transistor", "the radio", "the camera",
+    "the microscope", "the steam locomotive", "the compass", "the wheel", "paper money", "the calendar", "clocks",
+    "the printing of newspapers", "the history of maps", "the Dead Sea", "the Himalayas", "Antarctica",
+    "the Mississippi river", "the Alps", "volcanic islands", "caves", "waterfalls", "sand dunes", "wetlands",
+    "prairies", "the savanna", "the tundra", "owls", "bees and wasps", "ants", "frogs", "whales", "horses", "cats",
+    "parrots", "salmon", "spiders", "bats", "tigers", "kangaroos", "giraffes", "the octopus's brain", "apple trees",
+    "oak trees", "cactus care", "herb gardens", "lawn care", "raising chickens", "beekeeping", "making jam",
+    "roasting vegetables", "baking cookies", "grilling fish", "making curry", "salad dressings",
+    "knife skills in the kitchen", "meal planning", "drinking enough water", "stretching", "posture at a desk",
+    "running shoes", "swimming strokes", "learning to skate", "crossword puzzles", "sudoku", "magic tricks",
+    "stand-up comedy", "writing song lyrics", "learning to sing", "the drums", "the history of rock music",
+    "classical music", "opera", "ballet", "theater lighting", "movie editing", "animation", "comic books",
+    "the history of video games", "podcasting", "journaling", "letter writing", "persuasive essays", "grammar rules",
+    "punctuation", "learning vocabulary", "speed reading", "note taking", "studying for exams", "group projects",
+    "giving feedback", "leading a meeting", "remote work", "planning a wedding", "moving house", "buying a used car",
+    "home repairs", "painting a room", "fixing a leaky faucet", "saving energy at home", "choosing a mattress",
+    "caring for a cat", "teaching a dog tricks", "the stock exchange", "taxes", "credit scores", "insurance",
+    "supply and demand", "international trade", "the history of money", "democracy", "the United Nations",
+    "human rights", "the space race", "the Apollo program", "Mars rovers", "the International Space Station",
+    "comets", "the Sun", "eclipses", "gravity", "friction", "sound waves", "light and color", "atoms",
+    "chemical reactions", "acids and bases", "plate tectonics", "fossils", "the carbon cycle", "ocean currents",
+    "clouds", "lightning", "rain", "snow", "air pollution",
 )
 # A function's `def` line, at module level or in a class: a code prompt ending with one asks the model for the body.
 DEF_LINE = re.compile(r"^    def \w+\(.*\):\n|^def \w+\(.*\):\n", re.MULTILINE)
@@ -154,15 +188,16 @@ def chat_prompts(held_out: bool) -> list[str]:
 
 
 def line_prompts(texts: list[str], count: int, max_tokens: int, tokenizer, seed: int,
-                 ends: re.Pattern | None = None, distinct: bool = False) -> list[list[int]]:
+                 ends: re.Pattern | None = None, distinct: bool = False,
+                 avoid: list[list[int]] = ()) -> list[list[int]]:
     """`count` prompts of at most max_tokens tokens (at least half that), each ending at a line end of one of the
     texts (or, with `ends`, at the end of the pattern's next match), at places drawn uniformly over all their
-    characters; with `distinct`, a prompt already drawn is passed over (a `def` line after a long stretch of text is
-    otherwise drawn often). The first n of a larger count are the same n."""
+    characters; with `distinct`, a prompt already drawn, or one in `avoid`, is passed over (a `def` line after a long
+    stretch of text is otherwise drawn often). The first n of a larger count are the same n."""
     rng = random.Random(seed)
     starts = list(itertools.accumulate((len(text) for text in texts), initial=0))
     total = starts.pop()
-    prompts, seen, tries = [], set(), 0
+    prompts, seen, tries = [], set(map(tuple, avoid)), 0
     while len(prompts) < count:
         tries += 1
         if tries > 20 * count + 100:

@@ -95,6 +95,16 @@ def domain_prompts(config: dict, tokenizer, work_dir: Path) -> dict[str, tuple[l
                                               config["seed"] + 2, distinct=True)
                 train_prompts += line_prompts(later, corpus["later_function_prompts"], length, tokenizer,
                                               config["seed"] + 3, ends=DEF_LINE, distinct=True)
+            if domain == "code" and corpus.get("fresh_code_prompts", 0) + corpus.get("fresh_function_prompts", 0):
+                # New draws over all the training modules (earlier and later), after everything above; none equals
+                # a prompt drawn before, so each adds a window the modules have not seen.
+                every = code_texts(corpus["code_chars"] + corpus.get("later_code_chars", 0),
+                                   corpus["code_held_out_percent"])[0]
+                earlier = list(train_prompts)
+                train_prompts += line_prompts(every, corpus.get("fresh_code_prompts", 0), length, tokenizer,
+                                              config["seed"] + 4, distinct=True, avoid=earlier)
+                train_prompts += line_prompts(every, corpus.get("fresh_function_prompts", 0), length, tokenizer,
+                                              config["seed"] + 5, ends=DEF_LINE, distinct=True, avoid=earlier)
             out[domain] = (train_prompts, held_out_prompts)
         elif domain == "chat":
             def templated(questions):
