@@ -85,12 +85,15 @@ def domain_prompts(config: dict, tokenizer, work_dir: Path) -> dict[str, tuple[l
                                               config["seed"] + 1, ends=DEF_LINE)
                 held_out_prompts += line_prompts(held_out, held_out_count, length, tokenizer, config["seed"] + 1,
                                                  ends=DEF_LINE)
-            if domain == "code" and corpus.get("later_code_chars", 0):
-                # Modules past the first code_chars (code_texts keeps its order as the limit grows), with prompts
-                # of their own after all of the above, so the windows cached for those are kept. The held-out
-                # modules stay those of code_chars.
-                more, _ = code_texts(corpus["code_chars"] + corpus["later_code_chars"], corpus["code_held_out_percent"])
-                later = more[len(train):]
+            later_chars = corpus.get("later_code_chars", 0) if domain == "code" else 0
+            # Every training module up to code_chars + later_code_chars (code_texts keeps its order as the limit
+            # grows); the held-out modules stay those of code_chars.
+            every = code_texts(corpus["code_chars"] + later_chars, corpus["code_held_out_percent"])[0] \
+                if later_chars else train
+            if later_chars:
+                # Modules past the first code_chars, with prompts of their own after all of the above, so the
+                # windows cached for those are kept.
+                later = every[len(train):]
                 train_prompts += line_prompts(later, corpus["later_code_prompts"], length, tokenizer,
                                               config["seed"] + 2, distinct=True)
                 train_prompts += line_prompts(later, corpus["later_function_prompts"], length, tokenizer,
@@ -98,8 +101,6 @@ def domain_prompts(config: dict, tokenizer, work_dir: Path) -> dict[str, tuple[l
             if domain == "code" and corpus.get("fresh_code_prompts", 0) + corpus.get("fresh_function_prompts", 0):
                 # New draws over all the training modules (earlier and later), after everything above; none equals
                 # a prompt drawn before, so each adds a window the modules have not seen.
-                every = code_texts(corpus["code_chars"] + corpus.get("later_code_chars", 0),
-                                   corpus["code_held_out_percent"])[0]
                 earlier = list(train_prompts)
                 train_prompts += line_prompts(every, corpus.get("fresh_code_prompts", 0), length, tokenizer,
                                               config["seed"] + 4, distinct=True, avoid=earlier)
