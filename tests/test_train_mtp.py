@@ -49,8 +49,9 @@ def test_train_mtp_learns_the_base_models_predictions_resumes_and_attaches(tmp_p
     first, final = log["history"]["validation"][0], log["final_validation"]
     assert [row["step"] for row in log["history"]["validation"]] == [20, 40]
     # Code: 24 line prompts and 8 ending with a def line, train and held out alike; in training, 4 + 4 more from
-    # the modules past code_chars and 2 + 2 fresh draws over all of them.
-    assert log["train_tokens"] == {"code": (24 + 8 + 4 + 4 + 2 + 2) * 128, "chat": 8 * 128}
+    # the modules past code_chars and, twice (the shipped fresh_code_rounds), 2 + 2 fresh draws over all of them.
+    assert config["corpus"]["fresh_code_rounds"] == 2
+    assert log["train_tokens"] == {"code": (24 + 8 + 4 + 4 + 2 * (2 + 2)) * 128, "chat": 8 * 128}
     assert log["held_out_tokens"] == {"code": (4 + 4) * 128, "chat": 4 * 128}
     train_rows = log["history"]["train"]
     for depth in range(2):
@@ -194,7 +195,8 @@ def test_fresh_code_prompts_come_last_and_repeat_no_earlier_prompt(tmp_path):
     # lands on one of them.
     config["corpus"].update(domains=["code"], code_chars=100_000, prompts={"code": 6}, function_prompts=60,
                             held_out_prompts=2, prompt_tokens=48, later_code_chars=100_000, later_code_prompts=4,
-                            later_function_prompts=4, fresh_code_prompts=0, fresh_function_prompts=0)
+                            later_function_prompts=4, fresh_code_prompts=0, fresh_function_prompts=0,
+                            fresh_code_rounds=1)
     earlier, earlier_held_out = domain_prompts(config, tokenizer, tmp_path)["code"]
     assert len(set(map(tuple, earlier))) < len(earlier)
     config["corpus"].update(fresh_code_prompts=10, fresh_function_prompts=10)
@@ -210,6 +212,12 @@ def test_fresh_code_prompts_come_last_and_repeat_no_earlier_prompt(tmp_path):
     last_lines = [text[text.rstrip("\n").rfind("\n") + 1:] for text in fresh_texts]
     assert all(re.fullmatch(r" *def \w+\(.*\):\n", line) for line in last_lines[10:])
     assert not all(re.fullmatch(r" *def \w+\(.*\):\n", line) for line in last_lines[:10])
+    # A second round of draws comes after the first, which stays as it was, and repeats no prompt before it.
+    config["corpus"].update(fresh_code_rounds=2)
+    two_rounds = domain_prompts(config, tokenizer, tmp_path)["code"][0]
+    assert two_rounds[:len(train)] == train
+    second = two_rounds[len(train):]
+    assert len(second) == 20 and not set(map(tuple, second)) & set(map(tuple, train))
 
 
 def test_chat_training_prompts_never_name_a_held_out_topic_and_keep_their_order():

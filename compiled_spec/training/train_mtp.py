@@ -99,13 +99,16 @@ def domain_prompts(config: dict, tokenizer, work_dir: Path) -> dict[str, tuple[l
                 train_prompts += line_prompts(later, corpus["later_function_prompts"], length, tokenizer,
                                               config["seed"] + 3, ends=DEF_LINE, distinct=True)
             if domain == "code" and corpus.get("fresh_code_prompts", 0) + corpus.get("fresh_function_prompts", 0):
-                # New draws over all the training modules (earlier and later), after everything above; none equals
-                # a prompt drawn before, so each adds a window the modules have not seen.
-                earlier = list(train_prompts)
-                train_prompts += line_prompts(every, corpus.get("fresh_code_prompts", 0), length, tokenizer,
-                                              config["seed"] + 4, distinct=True, avoid=earlier)
-                train_prompts += line_prompts(every, corpus.get("fresh_function_prompts", 0), length, tokenizer,
-                                              config["seed"] + 5, ends=DEF_LINE, distinct=True, avoid=earlier)
+                # corpus.fresh_code_rounds rounds of new draws over all the training modules (earlier and later),
+                # after everything above, each with seeds of its own; none equals a prompt drawn before (in an
+                # earlier round too), so each adds a window the modules have not seen.
+                for round_ in range(corpus.get("fresh_code_rounds", 1)):
+                    earlier = list(train_prompts)
+                    seed = config["seed"] + 4 + 2 * round_
+                    train_prompts += line_prompts(every, corpus.get("fresh_code_prompts", 0), length, tokenizer,
+                                                  seed, distinct=True, avoid=earlier)
+                    train_prompts += line_prompts(every, corpus.get("fresh_function_prompts", 0), length,
+                                                  tokenizer, seed + 1, ends=DEF_LINE, distinct=True, avoid=earlier)
             out[domain] = (train_prompts, held_out_prompts)
         elif domain == "chat":
             def templated(questions):
@@ -242,13 +245,15 @@ def train_mtp(config: dict, resume: bool = False, measure_steps: int | None = No
                                                   work_dir / f"generated_{domain}_held_out.pt",
                                                   f"base model continues {domain} prompts (held out)", base_key)
     train = {key: torch.cat([part[key] for part in train_parts]) for key in ("ids", "hidden", "greedy")}
+    train_tokens = {d: int(p["ids"].numel()) for d, p in zip(config["corpus"]["domains"], train_parts)}
+    del train_parts  # the concatenation is a copy; keeping the parts would hold the teacher cache twice
     ranking = rank_vocabulary(train["greedy"], base_config.vocab_size)
     torch.manual_seed(config["seed"])  # module init does not depend on how the teacher cache was made
     task_state = MtpTraining(base, base_config, config, train, held_out, ranking)
     log = {
         "config": config,
         "parameters_per_module": sum(p.numel() for p in task_state.modules[0].parameters()),
-        "train_tokens": {d: int(p["ids"].numel()) for d, p in zip(config["corpus"]["domains"], train_parts)},
+        "train_tokens": train_tokens,
         "held_out_tokens": {d: int(p["ids"].numel()) for d, p in held_out.items()},
         "history": {"train": [], "validation": []},
     }
