@@ -100,8 +100,8 @@ def domain_prompts(config: dict, tokenizer, work_dir: Path) -> dict[str, tuple[l
                                               config["seed"] + 3, ends=DEF_LINE, distinct=True)
             if domain == "code" and corpus.get("fresh_code_prompts", 0) + corpus.get("fresh_function_prompts", 0):
                 # corpus.fresh_code_rounds rounds of new draws over all the training modules (earlier and later),
-                # after everything above, each with seeds of its own; none equals a prompt drawn before (in an
-                # earlier round too), so each adds a window the modules have not seen.
+                # after everything above, each with seeds of its own; none equals a prompt from before its round
+                # (a def-line draw can equal a line-end draw of its own round: 17 and 20 in the shipped two rounds).
                 for round_ in range(corpus.get("fresh_code_rounds", 1)):
                     earlier = list(train_prompts)
                     seed = config["seed"] + 4 + 2 * round_
