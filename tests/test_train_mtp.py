@@ -183,8 +183,8 @@ def test_later_code_prompts_come_after_the_earlier_ones_from_modules_of_their_ow
 
 def test_fresh_code_prompts_come_last_and_repeat_no_earlier_prompt(tmp_path):
     """Fresh draws over every training module (earlier and later) follow all the other code prompts, which stay as
-    they were; each is new: no fresh prompt repeats another or any earlier one, and the held-out prompts do not
-    change."""
+    they were; each is new: no fresh prompt repeats an earlier one (nor, in these draws, another fresh one), and
+    the held-out prompts do not change."""
     from compiled_spec.tokenizer import load_tokenizer
     from compiled_spec.training.mtp_corpus import code_texts
     from compiled_spec.training.train_mtp import domain_prompts
