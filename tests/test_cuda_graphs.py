@@ -56,7 +56,9 @@ def test_the_hisparse_triton_kernel_equals_the_cpu_op():
         cpu = hisparse_attention(*args)
         assert any("_sparse_attention_kernel" in event.key for event in profiler.key_averages())
         torch.testing.assert_close(gpu[0].cpu(), cpu[0], rtol=1e-5, atol=1e-5)
-        assert all(torch.equal(g.cpu(), c) for g, c in zip(gpu[1:], cpu[1:]))
+        for gpu_rows, cpu_rows in zip(gpu[1:3], cpu[1:3]):
+            assert torch.equal(gpu_rows[:, :-1].cpu(), cpu_rows[:, :-1])  # the trash row holds anything
+        assert torch.equal(gpu[3].cpu(), cpu[3]) and torch.equal(gpu[4].cpu(), cpu[4])
 
 
 @pytest.mark.parametrize("cold_dtype, cold_pool", [(None, "auto"), ("bfloat16", "auto"), (None, "device")])

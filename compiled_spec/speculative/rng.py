@@ -49,7 +49,10 @@ def to_unit(bits: torch.Tensor) -> torch.Tensor:
 
 def uniforms(key: torch.Tensor, count: int) -> torch.Tensor:
     """`count` uniforms in (0, 1) per key: shape key.shape + (count,), float32."""
-    lanes = torch.arange(count, device=key.device, dtype=torch.int64)
+    # The lanes start from a value loaded from memory (key & 0): Inductor before torch 2.13 computes arange
+    # arithmetic in a Triton kernel's int32 index type, where 0x9E3779B9 does not fit and the hash's products
+    # would wrap.
+    lanes = (key[..., None] & 0) + torch.arange(count, device=key.device, dtype=torch.int64)
     return to_unit(mix32(key[..., None] ^ mix32((lanes + 0x9E3779B9) & MASK32)))
 
 

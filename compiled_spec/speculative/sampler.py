@@ -93,7 +93,7 @@ def verify_drafts(
         if valid_drafts is not None:
             accepted = accepted & (offsets[None, :k] < valid_drafts[:, None])
         n = accepted.long().cumprod(1).sum(1)
-        q_padded = torch.cat([draft_probs, torch.zeros_like(draft_probs[:, :1])], dim=1)
+        q_padded = F.pad(draft_probs, (0, 0, 0, 1))
     else:
         n = torch.zeros(batch, dtype=torch.long, device=target_probs.device)
         q_padded = torch.zeros_like(target_probs)

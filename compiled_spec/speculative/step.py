@@ -20,6 +20,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
 
 from ..hisparse.tiers import draft_tiers, main_tiers, mirror_new_rows, reset_hot_rows, tier_field_names
 from ..model.causal_lm import CausalLM
@@ -232,7 +233,7 @@ def speculative_step(
                                          valid)
 
     # Emitted this step: d_1..d_n, then the residual/bonus token at index n.
-    padded_drafts = torch.cat([drafts, torch.zeros_like(seq_lens)[:, None]], dim=1)
+    padded_drafts = F.pad(drafts, (0, 1))
     emitted_tokens = torch.where(offsets[None, :] < accepted[:, None], padded_drafts, 0)
     emitted_tokens = torch.where(offsets[None, :] == accepted[:, None], next_token[:, None], emitted_tokens)
     count, finished = _stop_count(
@@ -243,7 +244,7 @@ def speculative_step(
     new_seq_lens = torch.where(active, seq_lens + accepted + 1, seq_lens)
 
     if k > 0:
-        window_tokens = torch.cat([emitted_tokens, torch.zeros_like(drafts)], dim=1)
+        window_tokens = F.pad(emitted_tokens, (0, k))
         new_drafts, new_probs, new_carry = _draft_chain(
             model, state, constants, rows, True,
             first_row=first_row,
@@ -271,8 +272,7 @@ def speculative_step(
     _write_rows(state.seq_lens, rows, new_seq_lens)
     _write_rows(state.generated, rows, state.generated[:batch_size] + count)
     _write_rows(state.done, rows, state.done[:batch_size] | (active & finished))
-    unused_slots = torch.zeros_like(state.draft_tokens[:batch_size, k:])
-    _write_rows(state.step_tokens, rows, torch.cat([emitted_tokens, unused_slots], dim=1))
+    _write_rows(state.step_tokens, rows, F.pad(emitted_tokens, (0, slots - k)))
     _write_rows(state.step_emitted, rows, count)
     _write_rows(state.step_accepted, rows, torch.where(active, accepted, 0))
 
@@ -313,7 +313,7 @@ def prefill(
 
     if k > 0:
         # Depth-1 row i reads t_{i+1}: the prompt shifted by one, with the first token after it.
-        shifted = torch.cat([prompt_ids[:, 1:], torch.zeros_like(prompt_ids[:, : k + 1])], dim=1)
+        shifted = F.pad(prompt_ids[:, 1:], (0, k + 1))
         offsets = torch.arange(shifted.shape[1], device=prompt_ids.device)
         window_tokens = torch.where(offsets[None, :] == (prompt_len - 1)[:, None], first_token[:, None], shifted)
         drafts, draft_probs, carry = _draft_chain(
@@ -338,7 +338,7 @@ def prefill(
     _write_rows(state.seq_lens, slot, new_seq_len)
     _write_rows(state.generated, slot, count)
     _write_rows(state.done, slot, finished)
-    step_tokens = torch.cat([first_token[:, None], torch.zeros_like(state.step_tokens[slot][:, 1:])], dim=1)
+    step_tokens = F.pad(first_token[:, None], (0, state.step_tokens.shape[1] - 1))
     _write_rows(state.step_tokens, slot, step_tokens)
     _write_rows(state.step_emitted, slot, count)
     _write_rows(state.step_accepted, slot, torch.zeros_like(count))
