@@ -85,3 +85,15 @@ def test_full_on_cpu_keeps_a_static_step_package_per_batch_bucket_below_a_larges
     assert steps((1, 2)) == (None, [("step", 2, None), ("step", 1, None)])
     assert steps((1, 2, 3)) == ((1, 3), [("step", 3, None)])
     assert steps((4,)) == ((1, 4), [("step", 4, None)])
+
+
+def test_an_engine_that_drafts_gets_aten_gemms_over_plain_weights_and_one_that_does_not_the_cpp_template(
+        tiny_checkpoint):
+    path = tiny_checkpoint("predictive").path
+    full = dict(ENGINE, graph_mode="full")
+    drafting, plain = LLM(path, **full).engine.runner, LLM(path, **{**full, "num_speculative_tokens": 0}).engine.runner
+    for function in (drafting._step, drafting._prefill):
+        assert function.options["max_autotune_gemm_backends"] == "ATEN"
+        assert function.options["cpp.weight_prepack"] is False and function.options["freezing"]
+    for function in (plain._step, plain._prefill):
+        assert function.options["max_autotune_gemm_backends"] == "CPP" and "cpp.weight_prepack" not in function.options
