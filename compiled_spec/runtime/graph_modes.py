@@ -61,10 +61,10 @@ PACKAGED_STEP_MIN_BATCH = 1
 PACKAGED_STEP_MIN_LARGEST_BATCH = 3
 
 # full on CPU for an engine that drafts: ATen's GEMMs over the plain weights instead of the C++ GEMM template. A step
-# that verifies k+1 rows streams every weight once either way, and the template's kernel did that at 17.2 GB/s over
-# 3 rows against 26.5 over 1 (30 SmolLM2-sized MLPs, AOTInductor, 2 threads; ATen: 23.8 and 25.6). One choice for
-# every graph of the engine keeps one copy of the weights: the template's packed copy or the plain one. An engine
-# that does not draft keeps the template, 6% faster at one row in its steps (SmolLM2-135M: 22.4 against 23.8 ms).
+# that verifies k+1 rows streams every weight once either way, and the template's kernel did that at 17.3 GB/s over
+# 3 rows against 26.9 over 1 (benchmarks/gemm_rows.py; ATen: 21.6 and 18.4). One choice for every graph of the
+# engine keeps one copy of the weights: the template's packed copy or the plain one. An engine that does not draft
+# keeps the template, faster at one row (SmolLM2-135M k=0 steps: 22.4 against 23.8 ms).
 SPECULATIVE_CPU_GEMMS = {"max_autotune_gemm_backends": "ATEN", "cpp.weight_prepack": False}
 
 
