@@ -49,9 +49,9 @@ def test_train_mtp_learns_the_base_models_predictions_resumes_and_attaches(tmp_p
     first, final = log["history"]["validation"][0], log["final_validation"]
     assert [row["step"] for row in log["history"]["validation"]] == [20, 40]
     # Code: 24 line prompts and 8 ending with a def line, train and held out alike; in training, 4 + 4 more from
-    # the modules past code_chars and, twice (the shipped fresh_code_rounds), 2 + 2 fresh draws over all of them.
-    assert config["corpus"]["fresh_code_rounds"] == 2
-    assert log["train_tokens"] == {"code": (24 + 8 + 4 + 4 + 2 * (2 + 2)) * 128, "chat": 8 * 128}
+    # the modules past code_chars and, three times (the shipped fresh_code_rounds), 2 + 2 fresh draws over all of them.
+    assert config["corpus"]["fresh_code_rounds"] == 3
+    assert log["train_tokens"] == {"code": (24 + 8 + 4 + 4 + 3 * (2 + 2)) * 128, "chat": 8 * 128}
     assert log["held_out_tokens"] == {"code": (4 + 4) * 128, "chat": 4 * 128}
     train_rows = log["history"]["train"]
     for depth in range(2):
