@@ -31,7 +31,7 @@ from ..config import GraphMode
 from ..model.causal_lm import CausalLM
 from ..model.layers import COMPILED_ATTENTION_MAX_ROWS
 from ..speculative.state import DecodeState
-from ..speculative.step import StepConstants, prefill, speculative_step, state_writes
+from ..speculative.step import StepConstants, draft_slots, prefill, speculative_step, state_writes
 from . import shared_constants
 from .inductor_compile_time import (
     REALIZE_OPCOUNT_THRESHOLD,
@@ -162,7 +162,7 @@ class StepRunner:
             for tensor in graph_state.tensors() + [constants.rope_cos, constants.rope_sin, constants.eos_ids]:
                 torch._dynamo.mark_static_address(tensor)
         options = inductor_options(mode, device)
-        if options.get("freezing") and state.draft_tokens.shape[1] > 0:
+        if options.get("freezing") and draft_slots(state) > 0:
             options.update(SPECULATIVE_CPU_GEMMS)
         model_key = model_digest(model, constants) if options.get("freezing") else None
         if options.get("freezing") and prefill_width is not None and prefill_width > PACKAGED_PREFILL_MIN_WIDTH:
