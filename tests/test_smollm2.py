@@ -1,6 +1,7 @@
 """The one real-model test: SmolLM2-135M-Instruct's GGUF (Q4_1), fetched as a user fetches it, against
 transformers' GGUF loader on the same file: logits, the tokenizer, and greedy text, decoded with the MTP
-modules shipped for it (their default k=2, sub-vocabulary draft head), whose drafts must be accepted above a floor."""
+modules shipped for it (their default k=2, sub-vocabulary draft head), whose drafts must be accepted above a
+floor."""
 
 import pytest
 import torch
