@@ -131,9 +131,9 @@ def default_num_speculative_tokens(path: Path, mtp_path: Path | None, num_mtp_mo
     else 3."""
     if not num_mtp_modules:
         return 0
-    model, shipped = named_model_at(path), shipped_mtp_modules(path)
-    if model is not None and shipped is not None and mtp_path is not None and mtp_path.resolve() == shipped.resolve():
-        return model.num_speculative_tokens
+    shipped = shipped_mtp_modules(path)  # only a named model has shipped modules
+    if shipped is not None and mtp_path is not None and mtp_path.resolve() == shipped.resolve():
+        return named_model_at(path).num_speculative_tokens
     return 3
 
 
