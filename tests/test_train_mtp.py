@@ -231,3 +231,25 @@ def test_chat_training_prompts_never_name_a_held_out_topic_and_keep_their_order(
     later = len(LATER_CHAT_TOPICS) * len(CHAT_TEMPLATES + MORE_CHAT_TEMPLATES)
     assert all(LATER_CHAT_TOPICS[0] not in p for p in train[:-later])
     assert train[-later] == CHAT_TEMPLATES[0].format(topic=LATER_CHAT_TOPICS[0])
+
+
+def test_decoding_rows_count_a_row_only_where_every_token_it_reads_is_the_base_models_own_choice():
+    """Depth m at row i reads the tokens at i+1..i+m: the row counts where each is the greedy token after the row
+    before it, as in decoding while drafts are accepted. Rows of a prompt whose next token the base model would not
+    have chosen are left out; a loss_rows value other than all or decoding is refused by name."""
+    import pytest
+    import torch
+
+    from compiled_spec.training.train_mtp import decoding_rows, train_mtp
+
+    # Row:            0  1  2  3  4  5
+    ids = torch.tensor([[5, 6, 9, 7, 8, 4]])
+    greedy = torch.tensor([[6, 1, 7, 8, 4, 3]])  # tokens 1, 3, 4 and 5 are the greedy choice; token 2 is not
+    depth_1, depth_2 = decoding_rows(ids, greedy, 2)
+    assert depth_1.tolist() == [[True, False, True, True, True]]
+    assert depth_2.tolist() == [[False, False, True, True]]
+
+    config = load_config(None, {"work_dir": "unused", "output_dir": "unused"})
+    config["training"]["loss_rows"] = "prompt"
+    with pytest.raises(ValueError, match="training.loss_rows is 'prompt'; choose all or decoding"):
+        train_mtp(config)

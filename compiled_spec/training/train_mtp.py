@@ -139,6 +139,18 @@ def to_draft_ids(greedy: torch.Tensor, draft_vocab: torch.Tensor, vocab_size: in
     return lookup[greedy]
 
 
+def decoding_rows(ids: torch.Tensor, greedy: torch.Tensor, num_depths: int) -> list[torch.Tensor]:
+    """Per depth m, [B, T - m]: whether row i's inputs are ones decoding can show. Depth m at row i reads the
+    tokens at i+1..i+m, and while drafts are accepted each of those is the base model's own greedy choice, so
+    the row counts only where ids[i + j] == greedy[i + j - 1] for every j in 1..m. A prompt's rows (text people
+    wrote, or a fixed system prompt) mostly fail that; the base model's continuation always passes."""
+    chosen = ids[:, 1:] == greedy[:, :-1]
+    rows, length = [chosen], ids.shape[1]
+    for m in range(2, num_depths + 1):
+        rows.append(rows[-1][:, : length - m] & chosen[:, m - 1:])
+    return rows
+
+
 class MtpTraining:
     """Everything the loop needs to train `num_modules` MTP modules on cached teacher outputs."""
 
@@ -162,20 +174,26 @@ class MtpTraining:
 
     def batch_losses(self, generator: torch.Generator) -> list[torch.Tensor]:
         """Cross-entropy to the base model's greedy token; with distill_fraction > 0, mixed with the KL divergence
-        to the base model's own distribution over the draft vocabulary (its cached hidden state times the head)."""
+        to the base model's own distribution over the draft vocabulary (its cached hidden state times the head).
+        With training.loss_rows "decoding", only rows whose inputs decoding could show count (decoding_rows)."""
         index = torch.randint(0, len(self.train["ids"]), (self.batch_size,), generator=generator)
-        base_hidden = self.train["hidden"][index]
-        depths = self.depth_hidden(self.train["ids"][index], base_hidden)
+        ids, base_hidden = self.train["ids"][index], self.train["hidden"][index]
+        depths = self.depth_hidden(ids, base_hidden)
         targets = self.train["targets"][index]
-        distill = self.config["training"].get("distill_fraction", 0.0)
+        training = self.config["training"]
+        distill = training.get("distill_fraction", 0.0)
+        counted = decoding_rows(ids, self.train["greedy"][index], len(depths)) \
+            if training.get("loss_rows", "all") == "decoding" else None
         losses = []
         for m, h in enumerate(depths, start=1):
             logits = (h @ self.draft_head.t()).flatten(0, 1)
-            loss = F.cross_entropy(logits, targets[:, m:].flatten(), ignore_index=IGNORE)
+            depth_targets = targets[:, m:] if counted is None else targets[:, m:].masked_fill(~counted[m - 1], IGNORE)
+            loss = F.cross_entropy(logits, depth_targets.flatten(), ignore_index=IGNORE)
             if distill > 0:
                 with torch.no_grad():
                     teacher = (base_hidden[:, m:] @ self.draft_head.t()).flatten(0, 1).log_softmax(-1)
-                kl = F.kl_div(logits.log_softmax(-1), teacher, log_target=True, reduction="batchmean")
+                kl = F.kl_div(logits.log_softmax(-1), teacher, log_target=True, reduction="none").sum(-1)
+                kl = kl.mean() if counted is None else kl[counted[m - 1].flatten()].mean()
                 loss = (1 - distill) * loss + distill * kl
             losses.append(loss)
         return losses
@@ -183,24 +201,28 @@ class MtpTraining:
     @torch.no_grad()
     def evaluate(self, final: bool) -> dict:
         """Per held-out domain and depth, teacher-forced: cross-entropy over the draft vocabulary, and how often the
-        draft's top token equals the base model's greedy token, with the draft head and with the full head.
+        draft's top token equals the base model's greedy token, with the draft head and with the full head, and
+        with the draft head on decoding_rows alone (the prompt's rows left out: what drafting meets).
         chain_accepted: the mean number of leading depths that all agree, what greedy speculation would accept."""
         limit = None if final else self.config["training"]["eval_windows"]
         report = {"loss": [0.0] * len(self.modules), "domains": {}}
         for domain, data in self.held_out.items():
             ids, hidden, greedy, targets = (data[key][:limit] for key in ("ids", "hidden", "greedy", "targets"))
-            losses, agree_draft, agree_full, chain, chain_total = [], [], [], None, 0.0
+            losses, agree_draft, agree_full, agree_decoding, chain, chain_total = [], [], [], [], None, 0.0
             common_rows = ids.shape[1] - len(self.modules)
+            decoding = decoding_rows(ids, greedy, len(self.modules))
             for m, h in enumerate(self.depth_hidden(ids, hidden), start=1):
                 logits = h @ self.draft_head.t()
                 losses.append(F.cross_entropy(logits.flatten(0, 1), targets[:, m:].flatten(), ignore_index=IGNORE).item())
                 draft_match = self.draft_vocab[logits.argmax(-1)] == greedy[:, m:]
                 agree_draft.append(draft_match.float().mean().item())
+                agree_decoding.append(draft_match[decoding[m - 1]].float().mean().item())
                 agree_full.append(((h @ self.full_head.t()).argmax(-1) == greedy[:, m:]).float().mean().item())
                 chain = draft_match[:, :common_rows] if chain is None else chain & draft_match[:, :common_rows]
                 chain_total += chain.float().mean().item()
             report["domains"][domain] = {
                 "loss": losses, "agreement_draft_head": agree_draft, "agreement_full_head": agree_full,
+                "agreement_draft_head_decoding_rows": agree_decoding,
                 "chain_accepted": chain_total, "draft_vocab_covers_greedy": (targets != IGNORE).float().mean().item(),
             }
             report["loss"] = [a + b / len(self.held_out) for a, b in zip(report["loss"], losses)]
@@ -228,6 +250,8 @@ class MtpTraining:
 
 def train_mtp(config: dict, resume: bool = False, measure_steps: int | None = None) -> dict:
     training = config["training"]
+    if training.get("loss_rows", "all") not in ("all", "decoding"):
+        raise ValueError(f"training.loss_rows is {training['loss_rows']!r}; choose all or decoding")
     work_dir, output_dir = loop.prepare(config)
     base_path = resolve_model(config["model"])
     base, base_config = load_base(base_path)
