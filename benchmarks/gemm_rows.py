@@ -1,9 +1,10 @@
-"""How fast full's frozen GEMMs stream their weights over 1 and k+1 rows: the C++ GEMM template against ATen.
+"""How fast full's frozen GEMMs stream their weights over 1 and k+1 rows: the C++ GEMM template (as full compiles it,
+with its weight prefetch over several rows, and without it) against ATen.
 
     python -m benchmarks.gemm_rows [--rows 1,3] [--layers 30] [--threads 2] [--out DIR]
 
 A stack of SmolLM2-135M-sized MLPs (576 -> 1536 gate and up, 1536 -> 576 down, no bias) is exported and compiled
-by AOTInductor with full's CPU options (max-autotune, freezing) and each GEMM backend, then timed over each row
+by AOTInductor with full's CPU options (max-autotune, freezing) and each GEMM choice, then timed over each row
 count. The weights (about 318 MB at 30 layers) do not fit in cache, so every call streams them once, as a decode
 step does: the table gives the p50 time and the GB/s it implies, and the read bandwidth of the machine measured in
 the same run. Writes results.json and results.md to --out when given.
@@ -17,16 +18,24 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
+from unittest import mock
 
 import torch
+from torch._inductor.codegen.cpp_micro_gemm import CppMicroGemmFP32Vec
 
 from compiled_spec.config import GraphMode
 from compiled_spec.model.layers import MLP
-from compiled_spec.runtime.graph_modes import SPECULATIVE_CPU_GEMMS, inductor_options
+from compiled_spec.runtime.cpp_gemm_prefetch import TEMPLATE_KERNEL_WITHOUT_PREFETCH
+from compiled_spec.runtime.graph_modes import inductor_options
 
 from .bandwidth import read_bandwidth_gb_s
 
-BACKENDS = {"C++ GEMM template": {}, "ATen, plain weights": SPECULATIVE_CPU_GEMMS}
+# name -> (inductor options on top of full's, the template's micro-kernel source or None for full's own)
+BACKENDS = {
+    "C++ GEMM template (full)": ({}, None),
+    "C++ GEMM template, no prefetch": ({}, TEMPLATE_KERNEL_WITHOUT_PREFETCH),
+    "ATen, plain weights": ({"max_autotune_gemm_backends": "ATEN", "cpp.weight_prepack": False}, None),
+}
 
 
 class Residual(torch.nn.Module):
@@ -62,17 +71,20 @@ def main() -> None:
     torch.manual_seed(0)
     model = torch.nn.Sequential(*(Residual() for _ in range(args.layers))).eval().requires_grad_(False)
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    base = inductor_options(GraphMode.FULL, torch.device("cpu"))
+    # Inductor's caches do not tell the two micro-kernel sources apart.
+    base = {**inductor_options(GraphMode.FULL, torch.device("cpu")), "force_disable_caches": True}
     records = []
     with tempfile.TemporaryDirectory() as folder, torch.no_grad():
         for rows in (int(r) for r in args.rows.split(",")):
             x = torch.randn(rows, 576)
             expected = model(x)
             exported = torch.export.export(model, (x,))
-            for backend, options in BACKENDS.items():
+            for backend, (options, micro_kernel) in BACKENDS.items():
                 start = time.perf_counter()
-                path = torch._inductor.aoti_compile_and_package(
-                    exported, package_path=f"{folder}/{len(records)}.pt2", inductor_configs={**base, **options})
+                with mock.patch.object(CppMicroGemmFP32Vec, "TEMPLATE_KERNEL",
+                                       micro_kernel or CppMicroGemmFP32Vec.TEMPLATE_KERNEL):
+                    path = torch._inductor.aoti_compile_and_package(
+                        exported, package_path=f"{folder}/{len(records)}.pt2", inductor_configs={**base, **options})
                 compile_seconds = time.perf_counter() - start
                 compiled = torch._inductor.aoti_load_package(path)
                 torch.testing.assert_close(compiled(x), expected, rtol=1e-4, atol=1e-4)

@@ -16,6 +16,7 @@ from torch._inductor.codegen.common import KernelTemplate
 
 from compiled_spec.config import GraphMode
 from compiled_spec.runtime import inductor_compile_time
+from compiled_spec.runtime.cpp_gemm_prefetch import PREFETCH_DISTANCE
 from compiled_spec.runtime.graph_modes import inductor_options, spec_backend
 from compiled_spec.runtime.inductor_compile_time import REALIZE_OPCOUNT_THRESHOLD
 from compiled_spec.speculative import rng
@@ -110,6 +111,18 @@ def test_gemm_kernels_of_one_graph_share_each_micro_gemm_and_compute_as_eager(co
     assert not any(f"{kernel}_micro_gemm" in shared for kernel in kernels_before)
     # Each GEMM kernel calls a shared definition (twice: the first K block, then accumulating).
     assert sum(shared.count(f"{kernel}_micro_gemm<") for kernel in kernels_after) == 2 * len(kernels_before)
+    torch.testing.assert_close(compiled_mlp.compiled, compiled_mlp.expected, rtol=1e-5, atol=1e-5)
+
+
+def test_the_micro_gemm_over_several_rows_prefetches_its_weights_and_computes_as_eager(compiled_mlp):
+    """Not a compile-time change, but the same compiled GEMMs show it (cpp_gemm_prefetch): each micro-kernel prefetches
+    the packed weights PREFETCH_DISTANCE k-steps ahead when it computes more than one row."""
+    (_, shared), = compiled_mlp.sources
+    kernels = re.findall(r"inline void \w+_micro_gemm_kernel\(.*?\n}\n", shared, flags=re.S)
+    assert kernels
+    prefetch = (f"if constexpr (BLOCK_M > 1) {{\n"
+                f"                _mm_prefetch(reinterpret_cast<const char*>(B + (k + {PREFETCH_DISTANCE}) * ldb")
+    assert all(prefetch in kernel for kernel in kernels)
     torch.testing.assert_close(compiled_mlp.compiled, compiled_mlp.expected, rtol=1e-5, atol=1e-5)
 
 

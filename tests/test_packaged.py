@@ -7,6 +7,7 @@ import torch
 
 from compiled_spec import LLM
 from compiled_spec.config import GraphMode
+from compiled_spec.runtime import cpp_gemm_prefetch
 from compiled_spec.runtime.graph_modes import inductor_options
 from compiled_spec.runtime.packaged import DynamicSize, model_digest, package_key, static_bucket
 from compiled_spec.speculative.step import prefill, speculative_step
@@ -87,13 +88,13 @@ def test_full_on_cpu_keeps_a_static_step_package_per_batch_bucket_below_a_larges
     assert steps((4,)) == ((1, 4), [("step", 4, None)])
 
 
-def test_an_engine_that_drafts_gets_aten_gemms_over_plain_weights_and_one_that_does_not_the_cpp_template(
-        tiny_checkpoint):
+def test_engines_that_draft_and_that_do_not_get_the_cpp_template_and_its_prefetch_changes_their_keys(tiny_checkpoint):
     path = tiny_checkpoint("predictive").path
     full = dict(ENGINE, graph_mode="full")
     drafting, plain = LLM(path, **full).engine.runner, LLM(path, **{**full, "num_speculative_tokens": 0}).engine.runner
-    for function in (drafting._step, drafting._prefill):
-        assert function.options["max_autotune_gemm_backends"] == "ATEN"
-        assert function.options["cpp.weight_prepack"] is False and function.options["freezing"]
-    for function in (plain._step, plain._prefill):
-        assert function.options["max_autotune_gemm_backends"] == "CPP" and "cpp.weight_prepack" not in function.options
+    for runner in (drafting, plain):
+        for function in (runner._step, runner._prefill):
+            assert function.options["max_autotune_gemm_backends"] == "CPP" and function.options["freezing"]
+            assert "cpp.weight_prepack" not in function.options
+            # A package or FX graph compiled before the micro-kernel prefetched is not reused for it.
+            assert function.manager.context.options["gemm_prefetch"] == cpp_gemm_prefetch.CACHE_KEY

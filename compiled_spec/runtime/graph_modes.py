@@ -31,7 +31,7 @@ from ..config import GraphMode
 from ..model.causal_lm import CausalLM
 from ..model.layers import COMPILED_ATTENTION_MAX_ROWS
 from ..speculative.state import DecodeState
-from ..speculative.step import StepConstants, draft_slots, prefill, speculative_step, state_writes
+from ..speculative.step import StepConstants, prefill, speculative_step, state_writes
 from . import shared_constants
 from .inductor_compile_time import (
     REALIZE_OPCOUNT_THRESHOLD,
@@ -40,6 +40,7 @@ from .inductor_compile_time import (
     keep_parsed_index_expressions,
     keep_parsed_kernel_templates,
 )
+from .cpp_gemm_prefetch import CACHE_KEY, prefetch_weights_over_several_rows
 from .packaged import AheadOfTimeCompiled, DynamicSize, model_digest
 
 # Every bucket of every engine in a process is a separate specialization of the same functions.
@@ -60,12 +61,10 @@ PACKAGED_STEP_MIN_BATCH = 1
 # batch's longer compile (its traces carry the batch as a symbol).
 PACKAGED_STEP_MIN_LARGEST_BATCH = 3
 
-# full on CPU for an engine that drafts: ATen's GEMMs over the plain weights instead of the C++ GEMM template. A step
-# that verifies k+1 rows streams every weight once either way, and the template's kernel did that at 17.3 GB/s over
-# 3 rows against 26.9 over 1 (benchmarks/gemm_rows.py; ATen: 21.6 and 18.4). One choice for every graph of the
-# engine keeps one copy of the weights: the template's packed copy or the plain one. An engine that does not draft
-# keeps the template, faster at one row (SmolLM2-135M k=0 steps: 22.4 against 23.8 ms).
-SPECULATIVE_CPU_GEMMS = {"max_autotune_gemm_backends": "ATEN", "cpp.weight_prepack": False}
+# full on CPU compiles every GEMM with the C++ GEMM template, whose micro-kernel prefetches the weights over several
+# rows (cpp_gemm_prefetch): a step that verifies k+1 rows then streams them about as fast as a one-row step does.
+# Without the prefetch, ATen's GEMMs were faster for an engine that drafts ("GEMMs of an engine that drafts", README).
+GEMM_PREFETCH = prefetch_weights_over_several_rows()
 
 
 def inductor_options(mode: GraphMode, device: torch.device) -> dict:
@@ -162,8 +161,6 @@ class StepRunner:
             for tensor in graph_state.tensors() + [constants.rope_cos, constants.rope_sin, constants.eos_ids]:
                 torch._dynamo.mark_static_address(tensor)
         options = inductor_options(mode, device)
-        if options.get("freezing") and draft_slots(state) > 0:
-            options.update(SPECULATIVE_CPU_GEMMS)
         model_key = model_digest(model, constants) if options.get("freezing") else None
         if options.get("freezing") and prefill_width is not None and prefill_width > PACKAGED_PREFILL_MIN_WIDTH:
             self.prefill_widths = (PACKAGED_PREFILL_MIN_WIDTH, prefill_width)
@@ -173,7 +170,8 @@ class StepRunner:
         def compiled(name: str, function, num_drafts: int | None = None):
             context = PassContext(
                 graph_name=f"{name} ({mode.value})", state_writes=state_writes(state, num_drafts),
-                options={**options, **({"hisparse": repr(constants.hisparse)} if constants.hisparse else {})},
+                options={**options, **({"hisparse": repr(constants.hisparse)} if constants.hisparse else {}),
+                         **({"gemm_prefetch": CACHE_KEY} if GEMM_PREFETCH and options.get("freezing") else {})},
             )
             manager = SpecPassManager(passes if passes is not None else default_passes(constants.hisparse), context)
             self.managers[name] = manager
