@@ -25,13 +25,14 @@ def cell_buckets(choice: str, mode: str, batch: int, prompt_ids: list, max_seq_l
     that the prompts fall in, so each prompt is padded, or prefilled in eager past the largest, exactly as a default
     engine does it, without compiling buckets no prompt uses.
     """
+    from compiled_spec.config import GraphMode
     from compiled_spec.runtime.buckets import compiled_prefill_limit, default_prefill_buckets, pick_bucket
 
     if choice == "default":
         return None, None
     if choice == "minimal":
         return (batch,), (max_seq_len,)
-    ladder = default_prefill_buckets(max_seq_len, compiled_prefill_limit("cpu", mode == "eager"))
+    ladder = default_prefill_buckets(max_seq_len, compiled_prefill_limit("cpu", GraphMode(mode)))
     used = {pick_bucket(ladder, len(ids)) for ids in prompt_ids if len(ids) <= ladder[-1]}
     return (batch,), tuple(sorted(used or {ladder[0]}))
 

@@ -1,5 +1,5 @@
-"""How fast full's frozen GEMMs stream their weights over 1 and k+1 rows: the C++ GEMM template (as full compiles it,
-with its weight prefetch over several rows, and without it) against ATen.
+"""How fast full's frozen GEMMs stream their weights over 1 and k+1 rows: the C++ GEMM template (its micro-kernel as
+full compiles it, runtime/micro_gemm_kernel.py, and as torch ships it) against ATen.
 
     python -m benchmarks.gemm_rows [--rows 1,3] [--layers 30] [--threads 2] [--out DIR]
 
@@ -21,11 +21,10 @@ from pathlib import Path
 from unittest import mock
 
 import torch
-from torch._inductor.codegen.cpp_micro_gemm import CppMicroGemmFP32Vec
 
 from compiled_spec.config import GraphMode
 from compiled_spec.model.layers import MLP
-from compiled_spec.runtime.cpp_gemm_prefetch import TEMPLATE_KERNEL_WITHOUT_PREFETCH
+from compiled_spec.runtime.micro_gemm_kernel import TEMPLATE_KERNEL_AS_SHIPPED, cpp_micro_gemm
 from compiled_spec.runtime.graph_modes import inductor_options
 
 from .bandwidth import read_bandwidth_gb_s
@@ -33,7 +32,7 @@ from .bandwidth import read_bandwidth_gb_s
 # name -> (inductor options on top of full's, the template's micro-kernel source or None for full's own)
 BACKENDS = {
     "C++ GEMM template (full)": ({}, None),
-    "C++ GEMM template, no prefetch": ({}, TEMPLATE_KERNEL_WITHOUT_PREFETCH),
+    "C++ GEMM template as torch ships it": ({}, TEMPLATE_KERNEL_AS_SHIPPED),
     "ATen, plain weights": ({"max_autotune_gemm_backends": "ATEN", "cpp.weight_prepack": False}, None),
 }
 
@@ -81,8 +80,8 @@ def main() -> None:
             exported = torch.export.export(model, (x,))
             for backend, (options, micro_kernel) in BACKENDS.items():
                 start = time.perf_counter()
-                with mock.patch.object(CppMicroGemmFP32Vec, "TEMPLATE_KERNEL",
-                                       micro_kernel or CppMicroGemmFP32Vec.TEMPLATE_KERNEL):
+                micro_gemm = cpp_micro_gemm.CppMicroGemmFP32Vec
+                with mock.patch.object(micro_gemm, "TEMPLATE_KERNEL", micro_kernel or micro_gemm.TEMPLATE_KERNEL):
                     path = torch._inductor.aoti_compile_and_package(
                         exported, package_path=f"{folder}/{len(records)}.pt2", inductor_configs={**base, **options})
                 compile_seconds = time.perf_counter() - start

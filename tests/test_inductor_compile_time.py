@@ -16,7 +16,7 @@ from torch._inductor.codegen.common import KernelTemplate
 
 from compiled_spec.config import GraphMode
 from compiled_spec.runtime import inductor_compile_time
-from compiled_spec.runtime.cpp_gemm_prefetch import PREFETCH_DISTANCE
+from compiled_spec.runtime.micro_gemm_kernel import PREFETCH_DISTANCE
 from compiled_spec.runtime.graph_modes import inductor_options, spec_backend
 from compiled_spec.runtime.inductor_compile_time import REALIZE_OPCOUNT_THRESHOLD
 from compiled_spec.speculative import rng
@@ -114,15 +114,18 @@ def test_gemm_kernels_of_one_graph_share_each_micro_gemm_and_compute_as_eager(co
     torch.testing.assert_close(compiled_mlp.compiled, compiled_mlp.expected, rtol=1e-5, atol=1e-5)
 
 
-def test_the_micro_gemm_over_several_rows_prefetches_its_weights_and_computes_as_eager(compiled_mlp):
-    """Not a compile-time change, but the same compiled GEMMs show it (cpp_gemm_prefetch): each micro-kernel prefetches
-    the packed weights PREFETCH_DISTANCE k-steps ahead when it computes more than one row."""
+def test_the_micro_gemm_holds_its_accumulators_raw_prefetches_over_several_rows_and_computes_as_eager(compiled_mlp):
+    """Not a compile-time change, but the same compiled GEMMs show it (micro_gemm_kernel): each micro-kernel keeps its
+    accumulators as the raw vector type, which g++ holds in registers, and prefetches the packed weights
+    PREFETCH_DISTANCE k-steps ahead when it computes more than one row."""
     (_, shared), = compiled_mlp.sources
     kernels = re.findall(r"inline void \w+_micro_gemm_kernel\(.*?\n}\n", shared, flags=re.S)
     assert kernels
     prefetch = (f"if constexpr (BLOCK_M > 1) {{\n"
                 f"                _mm_prefetch(reinterpret_cast<const char*>(B + (k + {PREFETCH_DISTANCE}) * ldb")
-    assert all(prefetch in kernel for kernel in kernels)
+    raw_accumulators = "#if defined(CPU_CAPABILITY_AVX512)\n    __m512 vc[ROWS*COLS];\n#elif defined(CPU_CAPABILITY_AVX2)"
+    assert all(prefetch in kernel and raw_accumulators in kernel for kernel in kernels)
+    assert all("vc[idx] = at::vec::fmadd(va, vb[col], Vectorized(vc[idx]));" in kernel for kernel in kernels)
     torch.testing.assert_close(compiled_mlp.compiled, compiled_mlp.expected, rtol=1e-5, atol=1e-5)
 
 

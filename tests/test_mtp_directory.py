@@ -1,5 +1,6 @@
 """MTP modules kept in a directory of their own (`mtp=DIR`, `--mtp DIR`), attached to a safetensors or GGUF base."""
 
+import dataclasses
 import os
 from pathlib import Path
 
@@ -57,12 +58,14 @@ def test_an_mtp_directory_with_other_weights_or_none_is_refused(tmp_path, tiny_c
         LLM(source, mtp=tmp_path / "missing", **ENGINE)
 
 
-def test_a_named_models_own_default_k_comes_only_with_its_shipped_modules(tmp_path):
+def test_a_named_models_own_default_k_comes_only_with_its_shipped_modules(tmp_path, monkeypatch):
     gguf = model_path("smollm2-135m")
     shipped = shipped_mtp_modules(gguf)
-    assert shipped == SHIPPED_MTP_ROOT / "smollm2-135m" and MODELS["smollm2-135m"].num_speculative_tokens == 2
-    assert default_num_speculative_tokens(gguf, shipped, 2) == 2
-    assert default_num_speculative_tokens(gguf, Path(os.path.relpath(shipped)), 2) == 2
+    assert shipped == SHIPPED_MTP_ROOT / "smollm2-135m" and MODELS["smollm2-135m"].num_speculative_tokens == 3
+    # Its own k made unlike the default of 3 for any other modules, so that the two are told apart.
+    monkeypatch.setitem(MODELS, "smollm2-135m", dataclasses.replace(MODELS["smollm2-135m"], num_speculative_tokens=1))
+    assert default_num_speculative_tokens(gguf, shipped, 2) == 1
+    assert default_num_speculative_tokens(gguf, Path(os.path.relpath(shipped)), 2) == 1
     assert default_num_speculative_tokens(gguf, tmp_path / "mtp", 2) == 3  # modules of one's own
     assert default_num_speculative_tokens(gguf, shipped, 0) == 0
     assert default_num_speculative_tokens(tmp_path / "other.gguf", None, 2) == 3

@@ -7,7 +7,7 @@ import torch
 
 from compiled_spec import LLM
 from compiled_spec.config import GraphMode
-from compiled_spec.runtime import cpp_gemm_prefetch
+from compiled_spec.runtime import micro_gemm_kernel
 from compiled_spec.runtime.graph_modes import inductor_options
 from compiled_spec.runtime.packaged import DynamicSize, model_digest, package_key, static_bucket
 from compiled_spec.speculative.step import prefill, speculative_step
@@ -88,7 +88,8 @@ def test_full_on_cpu_keeps_a_static_step_package_per_batch_bucket_below_a_larges
     assert steps((4,)) == ((1, 4), [("step", 4, None)])
 
 
-def test_engines_that_draft_and_that_do_not_get_the_cpp_template_and_its_prefetch_changes_their_keys(tiny_checkpoint):
+def test_engines_that_draft_and_that_do_not_get_the_cpp_template_and_its_changed_kernel_is_in_their_keys(
+        tiny_checkpoint):
     path = tiny_checkpoint("predictive").path
     full = dict(ENGINE, graph_mode="full")
     drafting, plain = LLM(path, **full).engine.runner, LLM(path, **{**full, "num_speculative_tokens": 0}).engine.runner
@@ -96,5 +97,5 @@ def test_engines_that_draft_and_that_do_not_get_the_cpp_template_and_its_prefetc
         for function in (runner._step, runner._prefill):
             assert function.options["max_autotune_gemm_backends"] == "CPP" and function.options["freezing"]
             assert "cpp.weight_prepack" not in function.options
-            # A package or FX graph compiled before the micro-kernel prefetched is not reused for it.
-            assert function.manager.context.options["gemm_prefetch"] == cpp_gemm_prefetch.CACHE_KEY
+            # A package or FX graph compiled from the micro-kernel as torch ships it is not reused for the changed one.
+            assert function.manager.context.options["micro_gemm"] == micro_gemm_kernel.CACHE_KEY

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import bisect
 
+from ..config import GraphMode
 from ..errors import CompiledSpecError
 
 
@@ -12,16 +13,22 @@ def default_batch_buckets(max_batch_size: int) -> tuple[int, ...]:
     return tuple(sorted({s for s in sizes if s < max_batch_size} | {max_batch_size}))
 
 
-# On CPU (graph modes other than eager) a prompt longer than this prefills in eager at its own length instead of in a
+# On CPU, in compile and piecewise, a prompt longer than this prefills in eager at its own length instead of in a
 # compiled bucket, so start-up compiles 3 prefill graphs instead of 6 at the default max_seq_len. Prefill that long
 # is GEMM-bound: on SmolLM2-135M eager at the exact length took 0.80-1.47x (about 1.15x) the time of `full` padded
-# to its power-of-two bucket. The small default model pays more (README "Prefill on CPU").
+# to its power-of-two bucket then. The small default model pays more (README "Prefill on CPU").
 CPU_COMPILED_PREFILL_LIMIT = 64
+# full on CPU compiles one prefill package for every prompt width up to its largest bucket, so a higher limit costs
+# that package a wider range, not more graphs. Since its GEMMs keep their accumulators in registers
+# (micro_gemm_kernel) it prefills SmolLM2-135M's prompts of 117-238 tokens in 0.73-0.79x eager's time.
+FULL_CPU_COMPILED_PREFILL_LIMIT = 256
 
 
-def compiled_prefill_limit(device_type: str, eager: bool) -> int | None:
+def compiled_prefill_limit(device_type: str, graph_mode: GraphMode) -> int | None:
     """The largest default prefill bucket an engine compiles on this device (None: up to max_seq_len)."""
-    return CPU_COMPILED_PREFILL_LIMIT if device_type == "cpu" and not eager else None
+    if device_type != "cpu" or graph_mode == GraphMode.EAGER:
+        return None
+    return FULL_CPU_COMPILED_PREFILL_LIMIT if graph_mode == GraphMode.FULL else CPU_COMPILED_PREFILL_LIMIT
 
 
 def default_prefill_buckets(max_seq_len: int, compiled_limit: int | None = None) -> tuple[int, ...]:

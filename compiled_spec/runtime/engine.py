@@ -85,7 +85,7 @@ class Engine:
             config.batch_buckets or default_batch_buckets(config.max_batch_size), config.max_batch_size, "batch_buckets"
         )
         # A prompt longer than the largest prefill bucket prefills in eager at its own length (admit).
-        compiled_limit = compiled_prefill_limit(device.type, config.graph_mode == GraphMode.EAGER)
+        compiled_limit = compiled_prefill_limit(device.type, config.graph_mode)
         self.prefill_buckets = checked_buckets(
             config.prefill_buckets or default_prefill_buckets(config.max_seq_len, compiled_limit), config.max_seq_len,
             "prefill_buckets", largest_below_limit=True,

@@ -40,7 +40,7 @@ from .inductor_compile_time import (
     keep_parsed_index_expressions,
     keep_parsed_kernel_templates,
 )
-from .cpp_gemm_prefetch import CACHE_KEY, prefetch_weights_over_several_rows
+from .micro_gemm_kernel import CACHE_KEY, use_changed_micro_gemm
 from .packaged import AheadOfTimeCompiled, DynamicSize, model_digest
 
 # Every bucket of every engine in a process is a separate specialization of the same functions.
@@ -61,10 +61,11 @@ PACKAGED_STEP_MIN_BATCH = 1
 # batch's longer compile (its traces carry the batch as a symbol).
 PACKAGED_STEP_MIN_LARGEST_BATCH = 3
 
-# full on CPU compiles every GEMM with the C++ GEMM template, whose micro-kernel prefetches the weights over several
-# rows (cpp_gemm_prefetch): a step that verifies k+1 rows then streams them about as fast as a one-row step does.
-# Without the prefetch, ATen's GEMMs were faster for an engine that drafts ("GEMMs of an engine that drafts", README).
-GEMM_PREFETCH = prefetch_weights_over_several_rows()
+# full on CPU compiles every GEMM with the C++ GEMM template, whose micro-kernel keeps its accumulators in registers
+# and prefetches the weights over several rows (micro_gemm_kernel): a step that verifies k+1 rows then streams them
+# about as fast as a one-row step does. Without that, ATen's GEMMs were faster for an engine that drafts ("GEMMs of
+# an engine that drafts, on CPU", README).
+MICRO_GEMM_CHANGED = use_changed_micro_gemm()
 
 
 def inductor_options(mode: GraphMode, device: torch.device) -> dict:
@@ -171,7 +172,7 @@ class StepRunner:
             context = PassContext(
                 graph_name=f"{name} ({mode.value})", state_writes=state_writes(state, num_drafts),
                 options={**options, **({"hisparse": repr(constants.hisparse)} if constants.hisparse else {}),
-                         **({"gemm_prefetch": CACHE_KEY} if GEMM_PREFETCH and options.get("freezing") else {})},
+                         **({"micro_gemm": CACHE_KEY} if MICRO_GEMM_CHANGED and options.get("freezing") else {})},
             )
             manager = SpecPassManager(passes if passes is not None else default_passes(constants.hisparse), context)
             self.managers[name] = manager
