@@ -62,11 +62,13 @@ def test_workload_buckets_pad_each_prompt_as_the_default_engine_does(sweep):
     from benchmarks.engine_cell import cell_buckets
 
     prompts = [[1] * 5, [1] * 20, [1] * 17, [1] * 40, [1] * 90]
-    # eager compiles nothing, and its default buckets reach max_seq_len; on CPU the compiled modes' stop at 64
-    # and longer prompts prefill in eager (the 90-token one here).
+    # eager compiles nothing, and its default buckets reach max_seq_len; on CPU full's stop at 256 and the other
+    # compiled modes' at 64, and longer prompts prefill in eager.
     assert cell_buckets("workload", "eager", 2, prompts, 100) == ((2,), (16, 32, 64, 100))
-    assert cell_buckets("workload", "full", 2, prompts, 100) == ((2,), (16, 32, 64))
-    assert cell_buckets("workload", "full", 1, [[1] * 90], 100) == ((1,), (16,))
+    assert cell_buckets("workload", "full", 2, prompts, 100) == ((2,), (16, 32, 64, 100))
+    assert cell_buckets("workload", "compile", 2, prompts, 100) == ((2,), (16, 32, 64))
+    assert cell_buckets("workload", "full", 1, [[1] * 90, [1] * 300], 400) == ((1,), (128,))
+    assert cell_buckets("workload", "piecewise", 1, [[1] * 90], 100) == ((1,), (16,))
     assert cell_buckets("minimal", "full", 4, prompts, 100) == ((4,), (100,))
     assert cell_buckets("default", "full", 4, prompts, 100) == (None, None)
     _, out = sweep

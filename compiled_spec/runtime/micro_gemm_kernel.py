@@ -4,7 +4,7 @@ weights prefetched when it computes more than one row.
 - **Accumulators.** The kernel keeps its block of C in a `VectorizedN` of `Vectorized<float>`, and g++ 12 stored
   every accumulator to the stack after each of its FMAs, in every k-step: a store per FMA. Held as the raw vector
   type (`__m512` / `__m256`), the same loop keeps them in registers. Over 41 rows, compute-bound, 30
-  SmolLM2-sized MLPs took ... ms instead of ... (benchmarks/gemm_rows.py).
+  SmolLM2-sized MLPs then took 32 ms instead of 68, and MKL 40 (benchmarks/gemm_rows.py).
 - **Prefetch.** A decode step's GEMMs stream weights that do not fit in cache. Over one row the kernel did that at
   27-30 GB/s here, but over 3 rows at 18 and over 4 at 15-16: the same loads with three or four times the FMAs
   between them keep fewer cache misses in flight. Prefetching the packed weight block PREFETCH_DISTANCE k-steps
