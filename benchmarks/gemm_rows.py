@@ -5,9 +5,9 @@ full compiles it, runtime/micro_gemm_kernel.py, and as torch ships it) against A
 
 A stack of SmolLM2-135M-sized MLPs (576 -> 1536 gate and up, 1536 -> 576 down, no bias) is exported and compiled
 by AOTInductor with full's CPU options (max-autotune, freezing) and each GEMM choice, then timed over each row
-count. The weights (about 318 MB at 30 layers) do not fit in cache, so every call streams them once, as a decode
-step does: the table gives the p50 time and the GB/s it implies, and the read bandwidth of the machine measured in
-the same run. Writes results.json and results.md to --out when given.
+count. The weights (about 318 MB at 30 layers) do not fit in most caches (a VM here had 480 MB of L3), so every call
+streams them once, as a decode step does: the table gives the p50 time and the GB/s it implies, and the read
+bandwidth of the machine measured in the same run. Writes results.json and results.md to --out when given.
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ import torch
 
 from compiled_spec.config import GraphMode
 from compiled_spec.model.layers import MLP
-from compiled_spec.runtime.micro_gemm_kernel import TEMPLATE_KERNEL_AS_SHIPPED, cpp_micro_gemm
 from compiled_spec.runtime.graph_modes import inductor_options
+from compiled_spec.runtime.micro_gemm_kernel import TEMPLATE_KERNEL_AS_SHIPPED, cpp_micro_gemm
 
 from .bandwidth import read_bandwidth_gb_s
 

@@ -16,9 +16,9 @@ from torch._inductor.codegen.common import KernelTemplate
 
 from compiled_spec.config import GraphMode
 from compiled_spec.runtime import inductor_compile_time
-from compiled_spec.runtime.micro_gemm_kernel import PREFETCH_DISTANCE
 from compiled_spec.runtime.graph_modes import inductor_options, spec_backend
 from compiled_spec.runtime.inductor_compile_time import REALIZE_OPCOUNT_THRESHOLD
+from compiled_spec.runtime.micro_gemm_kernel import PREFETCH_DISTANCE
 from compiled_spec.speculative import rng
 from passes import SpecPassManager
 from passes.manager import PassContext
@@ -123,7 +123,8 @@ def test_the_micro_gemm_holds_its_accumulators_raw_prefetches_over_several_rows_
     assert kernels
     prefetch = (f"if constexpr (BLOCK_M > 1) {{\n"
                 f"                _mm_prefetch(reinterpret_cast<const char*>(B + (k + {PREFETCH_DISTANCE}) * ldb")
-    raw_accumulators = "#if defined(CPU_CAPABILITY_AVX512)\n    __m512 vc[ROWS*COLS];\n#elif defined(CPU_CAPABILITY_AVX2)"
+    raw_accumulators = ("#if defined(CPU_CAPABILITY_AVX512)\n    __m512 vc[ROWS*COLS];\n"
+                        "#elif defined(CPU_CAPABILITY_AVX2)\n    __m256 vc[ROWS*COLS];")
     assert all(prefetch in kernel and raw_accumulators in kernel for kernel in kernels)
     assert all("vc[idx] = at::vec::fmadd(va, vb[col], Vectorized(vc[idx]));" in kernel for kernel in kernels)
     torch.testing.assert_close(compiled_mlp.compiled, compiled_mlp.expected, rtol=1e-5, atol=1e-5)

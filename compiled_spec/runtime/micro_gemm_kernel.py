@@ -33,7 +33,8 @@ _WEIGHT_LOAD = """        {%- else %}
     {%- endif %}"""
 _PREFETCHED_WEIGHT_LOAD = f"""        {{%- else %}}
             if constexpr (BLOCK_M > 1) {{
-                _mm_prefetch(reinterpret_cast<const char*>(B + (k + {PREFETCH_DISTANCE}) * ldb + col * VLEN), _MM_HINT_T1);
+                _mm_prefetch(reinterpret_cast<const char*>(B + (k + {PREFETCH_DISTANCE}) * ldb + col * VLEN),
+                             _MM_HINT_T1);
             }}
             vb[col] = Vectorized::loadu(B + k * ldb + col * VLEN);
         {{%- endif %}}
