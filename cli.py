@@ -102,8 +102,9 @@ def engine_options(command):
                           "the modules shipped for it."),
         click.option("--draft-vocab", "draft_vocab_size", type=int, default=None, metavar="N",
                      help="Draft over the N tokens the MTP modules' base model predicts most often (the target "
-                          "still verifies over the whole vocabulary, so output is unchanged). Default: the size the "
-                          "modules were trained with; the vocabulary size drafts over all of it."),
+                          "still verifies over the whole vocabulary, so output is unchanged). Default: a named model's "
+                          "own with its shipped modules (smollm2-135m: 8192), else the size the modules were "
+                          "trained with; the vocabulary size drafts over all of it."),
         click.option("-k", "--num-speculative-tokens", "num_speculative_tokens", type=DraftCount(), default=None,
                      help=f"Tokens drafted per step by the MTP module(s), 0..{MAX_SPECULATIVE_TOKENS}; "
                           "0 turns speculation off; auto chooses k before each step, 0..--max-speculative-tokens, "
@@ -513,7 +514,7 @@ DEFAULT_ANCHORS = ("hf-eager", "hf-static", "hf-mtp")
 @click.option("--draft-vocab", "draft_vocab_sizes", default=None,
               callback=lambda ctx, param, text: int_list(ctx, param, text) if text else [None],
               help="Comma-separated draft vocabulary sizes: each cell with k > 0 runs once per size (see "
-                   "'generate --draft-vocab'). Default: the size the MTP modules were trained with.")
+                   "'generate --draft-vocab'). Default: the engine's own.")
 @click.option("--hisparse", is_flag=True, help="Every engine cell decodes with HiSparse sparse attention.")
 @hisparse_options
 def bench(model, graph_modes, ks, batch_sizes, anchors, out, max_tokens, prompts_file, max_seq_len, buckets,

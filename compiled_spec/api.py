@@ -15,7 +15,7 @@ from .hisparse.config import HiSparseConfig
 from .hisparse.indexer import attach_indexers
 from .model.rope import rotary_tables
 from .params import RequestOutput, SamplingParams, SpecStats
-from .registry import default_num_speculative_tokens, resolve_model, shipped_mtp_modules
+from .registry import default_draft_vocab_size, default_num_speculative_tokens, resolve_model, shipped_mtp_modules
 from .runtime.background_compile import compile_worker_count
 from .runtime.engine import Engine, Request, TokenCallback
 from .speculative.state import DecodeState
@@ -53,8 +53,9 @@ class LLM:
         and the running acceptance. Default: 0 for a model without MTP modules, 2 for smollm2-135m with the
         modules shipped for it (its fastest k in the benchmark), else 3. mtp: a directory of MTP modules for the
         base model (compiled-spec train-mtp writes one); a named model uses the modules shipped for it.
-        draft_vocab_size: drafts sample over the modules' most frequent tokens (default: the size they were trained
-        with; the vocabulary size, or more, drafts over all of it). background_compile (tiered start; full on
+        draft_vocab_size: drafts sample over the modules' most frequent tokens (default: a named model's own with
+        the modules shipped for it, else the size they were trained with; the vocabulary size, or more, drafts over
+        all of it). background_compile (tiered start; full on
         CPU): graphs with no saved package compile in a child process while the engine decodes in eager, and the
         engine switches to them between two steps when all are ready; default: on when graph_mode is left to its
         default, off when it is given.
@@ -76,6 +77,8 @@ class LLM:
             prefill_buckets=prefill_buckets,
             hisparse=hisparse,
         )
+        if draft_vocab_size is None:
+            draft_vocab_size = default_draft_vocab_size(self.path, self.mtp_path)
         self.model = load_model(self.path, self.config.torch_dtype(), device, mtp=mtp, draft_vocab_size=draft_vocab_size)
         self.model_config = self.model.config
         if num_speculative_tokens is None:

@@ -8,8 +8,8 @@ import pytest
 from safetensors.torch import save_file
 
 from compiled_spec import LLM, CompiledSpecError, SamplingParams
-from compiled_spec.registry import (MODELS, SHIPPED_MTP_ROOT, default_num_speculative_tokens, model_path,
-                                    shipped_mtp_modules)
+from compiled_spec.registry import (MODELS, SHIPPED_MTP_ROOT, default_draft_vocab_size, default_num_speculative_tokens,
+                                    model_path, shipped_mtp_modules)
 from hf_reference import mtp_logits_per_depth
 from tiny_checkpoints import build_mtp_layers, mtp_state_dict
 from tiny_gguf import write_gguf
@@ -69,3 +69,13 @@ def test_a_named_models_own_default_k_comes_only_with_its_shipped_modules(tmp_pa
     assert default_num_speculative_tokens(gguf, tmp_path / "mtp", 2) == 3  # modules of one's own
     assert default_num_speculative_tokens(gguf, shipped, 0) == 0
     assert default_num_speculative_tokens(tmp_path / "other.gguf", None, 2) == 3
+
+
+def test_a_named_models_own_draft_vocabulary_comes_only_with_its_shipped_modules(tmp_path):
+    gguf = model_path("smollm2-135m")
+    shipped = shipped_mtp_modules(gguf)
+    assert MODELS["smollm2-135m"].draft_vocab_size == 8192
+    assert default_draft_vocab_size(gguf, shipped) == 8192
+    assert default_draft_vocab_size(gguf, Path(os.path.relpath(shipped))) == 8192
+    assert default_draft_vocab_size(gguf, tmp_path / "mtp") is None  # modules of one's own: their trained size
+    assert default_draft_vocab_size(tmp_path / "other.gguf", None) is None
