@@ -109,7 +109,7 @@ def engine_options(command):
                      help=f"Tokens drafted per step by the MTP module(s), 0..{MAX_SPECULATIVE_TOKENS}; "
                           "0 turns speculation off; auto chooses k before each step, 0..--max-speculative-tokens, "
                           "for the most expected tokens per second (from step times measured at start-up and the "
-                          "running acceptance).  [default: 3; 2 for smollm2-135m with its shipped modules, its "
+                          "running acceptance).  [default: 3, also for smollm2-135m with its shipped modules, its "
                           "fastest k; 0 for a model without MTP modules]"),
         click.option("--max-speculative-tokens", "max_speculative_tokens", type=int, default=3, show_default=True,
                      help="With -k auto: the largest k it may choose."),

@@ -53,7 +53,7 @@ class SweepOptions:
     cell_timeout_s: float = 1800.0
     plots: bool = True
     hisparse: dict | None = None  # HiSparseConfig fields for every engine cell; None: dense attention
-    draft_vocab_sizes: list = field(default_factory=lambda: [None])  # cells with k > 0, per size; None: the engine's default
+    draft_vocab_sizes: list = field(default_factory=lambda: [None])  # cells with k > 0, per size; None: engine default
     command: list[str] = field(default_factory=list)
 
 

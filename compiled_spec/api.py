@@ -50,15 +50,15 @@ class LLM:
     ):
         """num_speculative_tokens: drafts per step (k), or "auto": before each step, the k in
         0..max_speculative_tokens with the most expected tokens per second, from step times measured at warm-up
-        and the running acceptance. Default: 0 for a model without MTP modules, 2 for smollm2-135m with the
+        and the running acceptance. Default: 0 for a model without MTP modules, 3 for smollm2-135m with the
         modules shipped for it (its fastest k in the benchmark), else 3. mtp: a directory of MTP modules for the
         base model (compiled-spec train-mtp writes one); a named model uses the modules shipped for it.
         draft_vocab_size: drafts sample over the modules' most frequent tokens (default: a named model's own with
-        the modules shipped for it, else the size they were trained with; the vocabulary size, or more, drafts over
-        all of it). background_compile (tiered start; full on
-        CPU): graphs with no saved package compile in a child process while the engine decodes in eager, and the
-        engine switches to them between two steps when all are ready; default: on when graph_mode is left to its
-        default, off when it is given.
+        the modules shipped for it, 8192 for smollm2-135m, else the size they were trained with; the vocabulary
+        size, or more, drafts over all of it). background_compile (tiered start; full on CPU): graphs with no saved
+        package compile in a child process while the engine decodes in eager, and the engine switches to them
+        between two steps when all are ready; default: on when graph_mode is left to its default, off when it is
+        given.
         compile_workers (full on CPU): processes that compile missing packages at once, one graph each at a time;
         default: $COMPILED_SPEC_COMPILE_WORKERS, else one per CPU core (one graph's compile uses one core)."""
         self.path = resolve_model(model) or DEFAULT_MODEL
