@@ -4,7 +4,8 @@ weights prefetched when it computes more than one row.
 - **Accumulators.** The kernel keeps its block of C in a `VectorizedN` of `Vectorized<float>`, and g++ 12 stored
   every accumulator to the stack after each of its FMAs, in every k-step: a store per FMA. Held as the raw vector
   type (`__m512` / `__m256`), the same loop keeps them in registers. Over 41 rows, compute-bound, 30
-  SmolLM2-sized MLPs then took 32 ms instead of 68, and MKL 40 (benchmarks/gemm_rows.py).
+  SmolLM2-sized MLPs then took 32 ms instead of 68, and MKL 40 (benchmarks/gemm_rows.py). On an AVX2 VM it
+  changed nothing measurable.
 - **Prefetch.** A decode step's GEMMs stream weights that do not fit in cache. Over one row the kernel did that at
   27-30 GB/s here, but over 3 rows at 18 and over 4 at 15-16: the same loads with three or four times the FMAs
   between them keep fewer cache misses in flight. Prefetching the packed weight block PREFETCH_DISTANCE k-steps
@@ -20,7 +21,8 @@ from __future__ import annotations
 import torch._inductor.compile_fx  # noqa: F401  first: cpp_micro_gemm imported on its own is a circular import
 from torch._inductor.codegen import cpp_micro_gemm
 
-# k-steps ahead: 32 x 48 floats, 6 KB of the packed block. 16 streamed about 5% slower, 64 about 12% slower.
+# k-steps ahead: 32 x 48 floats, 6 KB of the packed block. On AVX-512 16 streamed about 5% slower, 64 about 12%
+# slower; on an AVX2 Zen 3 VM no distance or hint ranked above another over repeats (README).
 PREFETCH_DISTANCE = 32
 
 # The kernel's code for a B that is not transposed, where both changes go.
