@@ -1,4 +1,5 @@
-"""Compiled decode passes attend with grouped_attention; it must equal SDPA, the attention eager and prefill use."""
+"""Compiled CPU decode passes attend with the C++ kernel (decode_attention), or with grouped_attention where it cannot
+be built; both must equal SDPA, the attention eager and prefill use."""
 
 from __future__ import annotations
 
@@ -6,7 +7,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from compiled_spec.model.layers import COMPILED_ATTENTION_MAX_ROWS, attend_with_cache, grouped_attention
+from compiled_spec.model import decode_attention
+from compiled_spec.model.layers import (
+    COMPILED_ATTENTION_MAX_ROWS,
+    DECODE_ATTENTION_MAX_ROWS,
+    attend_with_cache,
+    grouped_attention,
+)
 
 
 def causal_rows(batch: int, length: int, capacity: int, first: list[int]) -> torch.Tensor:
@@ -30,6 +37,45 @@ def test_grouped_attention_equals_sdpa(heads, kv_heads, length):
     torch.testing.assert_close(grouped_attention(q, keys, values, attend), expected, rtol=1e-5, atol=1e-5)
 
 
+def sdpa(q, keys, values, attend):
+    return F.scaled_dot_product_attention(
+        q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), attn_mask=attend, enable_gqa=True
+    ).transpose(1, 2)
+
+
+@pytest.mark.parametrize("heads, kv_heads, dim", [(9, 3, 64), (4, 4, 32), (8, 1, 128), (14, 2, 64), (6, 3, 20)])
+@pytest.mark.parametrize("length", [1, 4, 9])
+def test_decode_attention_kernel_equals_sdpa(heads, kv_heads, dim, length):
+    """Every head grouping the kernel takes (1-3 query heads of a kv head at once, 7 in two blocks and one), head
+    sizes of whole vectors and not, causal rows and rows with holes."""
+    assert decode_attention.load(), "the kernel must build on a machine with a C++ compiler"
+    generator = torch.Generator().manual_seed(heads * 100 + dim + length)
+    batch, capacity = 3, 53
+    q = torch.randn(batch, length, heads, dim, generator=generator)
+    keys = torch.randn(batch, capacity, kv_heads, dim, generator=generator)
+    values = torch.randn(batch, capacity, kv_heads, dim, generator=generator)
+    kernel = torch.ops.compiled_spec_cpu.decode_attention
+    causal = causal_rows(batch, length, capacity, [0, 17, capacity - length])
+    torch.testing.assert_close(kernel(q, keys, values, causal), sdpa(q, keys, values, causal), rtol=1e-5, atol=1e-5)
+    holes = torch.rand(batch, 1, length, capacity, generator=generator) < 0.3
+    holes[..., 5] = True
+    torch.testing.assert_close(kernel(q, keys, values, holes), sdpa(q, keys, values, holes), rtol=1e-5, atol=1e-5)
+
+
+def test_decode_attention_kernel_gives_zeros_to_a_row_that_attends_to_nothing_and_names_bad_input():
+    assert decode_attention.load()
+    q, keys, values = torch.randn(1, 2, 4, 16), torch.randn(1, 10, 2, 16), torch.randn(1, 10, 2, 16)
+    attend = torch.zeros(1, 1, 2, 10, dtype=torch.bool)
+    attend[0, 0, 1, :4] = True
+    out = torch.ops.compiled_spec_cpu.decode_attention(q, keys, values, attend)
+    assert torch.equal(out[:, 0], torch.zeros_like(out[:, 0]))
+    torch.testing.assert_close(out[:, 1:], sdpa(q, keys, values, attend)[:, 1:], rtol=1e-5, atol=1e-5)
+    with pytest.raises(RuntimeError, match="float32"):
+        torch.ops.compiled_spec_cpu.decode_attention(q.double(), keys.double(), values.double(), attend)
+    with pytest.raises(RuntimeError, match=r"\[B, 1, T, S\]"):
+        torch.ops.compiled_spec_cpu.decode_attention(q, keys, values, attend[..., :9])
+
+
 def attention_ops_compiled(length: int) -> set[str]:
     """The attention ops in the graph torch.compile traces for attend_with_cache over `length` rows."""
     seen: set[str] = set()
@@ -50,9 +96,21 @@ def attention_ops_compiled(length: int) -> set[str]:
         q.transpose(1, 2), key_cache.transpose(1, 2), value_cache.transpose(1, 2), attn_mask=attend, enable_gqa=True
     ).transpose(1, 2)
     torch.testing.assert_close(out, reference, rtol=1e-5, atol=1e-5)
-    return {target for target in seen if "scaled_dot_product" in target}
+    return {target for target in seen if "scaled_dot_product" in target or "decode_attention" in target}
 
 
-def test_compiled_decode_passes_use_grouped_attention_and_longer_passes_sdpa():
-    assert attention_ops_compiled(COMPILED_ATTENTION_MAX_ROWS) == set()
-    assert attention_ops_compiled(COMPILED_ATTENTION_MAX_ROWS + 1) != set()
+def test_compiled_decode_passes_use_the_kernel_and_longer_passes_sdpa():
+    assert decode_attention.load()
+    assert attention_ops_compiled(1) == {"compiled_spec_cpu.decode_attention"}
+    assert attention_ops_compiled(DECODE_ATTENTION_MAX_ROWS) == {"compiled_spec_cpu.decode_attention"}
+    assert "compiled_spec_cpu.decode_attention" not in attention_ops_compiled(DECODE_ATTENTION_MAX_ROWS + 1)
+
+
+def test_without_the_kernel_compiled_decode_passes_use_grouped_attention_and_longer_passes_sdpa(monkeypatch):
+    monkeypatch.setattr(decode_attention, "loaded", lambda: False)
+    torch._dynamo.reset()
+    try:
+        assert attention_ops_compiled(COMPILED_ATTENTION_MAX_ROWS) == set()
+        assert attention_ops_compiled(COMPILED_ATTENTION_MAX_ROWS + 1) != set()
+    finally:
+        torch._dynamo.reset()

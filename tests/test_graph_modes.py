@@ -20,7 +20,7 @@ from torch._inductor.runtime.cache_dir_utils import cache_dir
 
 from compiled_spec import LLM, SamplingParams
 from compiled_spec.runtime import shared_constants
-from compiled_spec.runtime.graph_modes import graphs_made
+from compiled_spec.runtime.graph_modes import PACKAGED_PREFILL_MIN_WIDTH, graphs_made
 from compiled_spec.runtime.packaged import PACKAGE_FOLDER
 
 K = 2
@@ -143,16 +143,18 @@ def rerun_recording(compiled_result, prompts, method: str) -> list[tuple[tuple, 
 
 @pytest.mark.parametrize("compiled_result", ["full"], indirect=True)
 def test_full_on_cpu_prefills_each_prompt_at_its_own_width_with_one_package(workload, eager_result, compiled_result):
-    """full on CPU compiles one prefill package for every prompt width from 4 up to the largest prefill bucket: a
-    prompt is padded only to 4 (attention takes another path at 3 rows or fewer), not to a bucket."""
+    """full on CPU compiles one prefill package for every prompt width from PACKAGED_PREFILL_MIN_WIDTH (10) up to the
+    largest prefill bucket: a prompt is padded only to 10 (attention takes another path at 9 rows or fewer), not to
+    a bucket."""
     path, prompts = workload
     engine = compiled_result["llm"].engine
-    assert engine.runner.prefill_widths == (4, ENGINE["prefill_buckets"][-1])
+    assert PACKAGED_PREFILL_MIN_WIDTH == 10
+    assert engine.runner.prefill_widths == (10, ENGINE["prefill_buckets"][-1])
     packages = engine.runner.packages()
     widths = [args[1].shape[1] for args, _ in rerun_recording(compiled_result, prompts, "prefill")]
     short = [n for n in PROMPT_LENGTHS if n <= ENGINE["prefill_buckets"][-1]]
-    assert sorted(widths) == sorted(max(n, 4) for n in short)
-    assert len(set(widths)) > 5
+    assert sorted(widths) == sorted(max(n, 10) for n in short)
+    assert len(set(widths)) > 3
     assert engine.runner.packages() == packages  # no package compiled or loaded for any of those widths
 
 

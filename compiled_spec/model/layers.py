@@ -10,6 +10,7 @@ from torch import nn
 
 from ..config import ModelConfig
 from ..hisparse.attention import tiered_attention
+from . import decode_attention
 from .rope import apply_rotary
 
 
@@ -59,17 +60,22 @@ def attend_with_cache(
     else:
         keys, values = key_cache[slot_ids], value_cache[slot_ids]
     keys, values = keys.to(q.dtype), values.to(q.dtype)  # a compact HiSparse cold pool is widened to read
-    if torch.compiler.is_compiling() and q.device.type == "cpu" and q.shape[1] <= COMPILED_ATTENTION_MAX_ROWS:
-        return grouped_attention(q, keys, values, attend)
+    if torch.compiler.is_compiling() and q.device.type == "cpu":
+        if decode_attention.loaded() and q.dtype == torch.float32 and q.shape[1] <= DECODE_ATTENTION_MAX_ROWS:
+            return torch.ops.compiled_spec_cpu.decode_attention(q, keys, values, attend)
+        if q.shape[1] <= COMPILED_ATTENTION_MAX_ROWS:
+            return grouped_attention(q, keys, values, attend)
     out = F.scaled_dot_product_attention(
         q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), attn_mask=attend, enable_gqa=True
     )
     return out.transpose(1, 2)
 
 
-# Compiled CPU passes of at most this many rows per sequence (k <= 2 steps' verify and first draft windows) attend
-# with grouped_attention; longer ones, eager and CUDA with SDPA, whose CPU kernel was faster from about 4-6 rows on
-# (README). Not measured on CUDA.
+# Compiled fp32 CPU passes of at most this many rows per sequence (every verify up to k=8, and the drafts) attend with
+# the C++ kernel (decode_attention) once it is built; longer ones, eager and CUDA with SDPA.
+DECODE_ATTENTION_MAX_ROWS = 9
+# Without the kernel, compiled CPU passes of at most this many rows per sequence attend with grouped_attention; SDPA's
+# CPU kernel was faster from about 4-6 rows on (README). Not measured on CUDA.
 COMPILED_ATTENTION_MAX_ROWS = 3
 
 

@@ -29,7 +29,8 @@ from passes.manager import PassContext
 
 from ..config import GraphMode
 from ..model.causal_lm import CausalLM
-from ..model.layers import COMPILED_ATTENTION_MAX_ROWS
+from ..model import decode_attention
+from ..model.layers import COMPILED_ATTENTION_MAX_ROWS, DECODE_ATTENTION_MAX_ROWS
 from ..speculative.state import DecodeState
 from ..speculative.step import StepConstants, prefill, speculative_step, state_writes
 from . import shared_constants
@@ -51,9 +52,10 @@ keep_parsed_index_expressions()
 compile_shared_micro_gemms()
 build_objects_at_once()
 
-# The shortest prompt width the one prefill package of full on CPU takes: at 3 rows or fewer attention takes another
-# path (grouped_attention), a branch a package of every length cannot hold. Shorter prompts are padded to it.
-PACKAGED_PREFILL_MIN_WIDTH = COMPILED_ATTENTION_MAX_ROWS + 1
+# The shortest prompt width the one prefill package of full on CPU takes: at fewer rows attention takes another path
+# (decode_attention or grouped_attention), a branch a package of every length cannot hold. Shorter prompts are
+# padded to it.
+PACKAGED_PREFILL_MIN_WIDTH = max(DECODE_ATTENTION_MAX_ROWS, COMPILED_ATTENTION_MAX_ROWS) + 1
 # The one step package of full on CPU takes every batch from 1 up to the largest batch bucket. A package of batch 1's
 # own stepped 1-4% faster at batch 1, but was a third graph for the default buckets' cold start (README, Start-up).
 PACKAGED_STEP_MIN_BATCH = 1
@@ -161,6 +163,8 @@ class StepRunner:
         if device.type == "cuda":
             for tensor in graph_state.tensors() + [constants.rope_cos, constants.rope_sin, constants.eos_ids]:
                 torch._dynamo.mark_static_address(tensor)
+        if device.type == "cpu":
+            decode_attention.load()
         options = inductor_options(mode, device)
         model_key = model_digest(model, constants) if options.get("freezing") else None
         if options.get("freezing") and prefill_width is not None and prefill_width > PACKAGED_PREFILL_MIN_WIDTH:
@@ -172,6 +176,7 @@ class StepRunner:
             context = PassContext(
                 graph_name=f"{name} ({mode.value})", state_writes=state_writes(state, num_drafts),
                 options={**options, **({"hisparse": repr(constants.hisparse)} if constants.hisparse else {}),
+                         **({"decode_attention": True} if device.type == "cpu" and decode_attention.loaded() else {}),
                          **({"micro_gemm": CACHE_KEY} if MICRO_GEMM_CHANGED and options.get("freezing") else {})},
             )
             manager = SpecPassManager(passes if passes is not None else default_passes(constants.hisparse), context)

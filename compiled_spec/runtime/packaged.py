@@ -230,6 +230,6 @@ def model_digest(model, constants) -> str:
 def _code_digest() -> str:
     digest = hashlib.sha256()
     for folder in ("compiled_spec", "passes"):
-        for source in sorted((_PROJECT_ROOT / folder).rglob("*.py")):
+        for source in sorted([*(_PROJECT_ROOT / folder).rglob("*.py"), *(_PROJECT_ROOT / folder).rglob("*.cpp")]):
             digest.update(str(source.relative_to(_PROJECT_ROOT)).encode() + source.read_bytes())
     return digest.hexdigest()

@@ -1,0 +1,63 @@
+"""The C++ attention kernel of compiled CPU decode passes (decode_attention.cpp): built once per machine, then loaded.
+
+It reads only the cache positions a row may attend to, where SDPA and grouped_attention read the whole cache
+(max_seq_len rows) and mask most of it away, and it shares each key and value row among the query heads of its
+kv head. torch.ops.compiled_spec_cpu.decode_attention exists once load() has returned True.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_suffix(".cpp")
+log = logging.getLogger(__name__)
+
+_loaded = False
+
+
+def loaded() -> bool:
+    """Whether the kernel is registered in this process (read while tracing: attention takes it only then)."""
+    return _loaded
+
+
+@functools.cache
+def load() -> bool:
+    """Builds the kernel for this CPU's vector ISA (the first time on a machine, in about 16 s on a 2-core VM;
+    later processes load the built library) and registers it. Where it cannot be built, warns once and returns
+    False: compiled CPU passes then attend with grouped_attention and SDPA."""
+    global _loaded
+    from torch._inductor import cpu_vec_isa
+    from torch.utils import cpp_extension
+
+    isa = cpu_vec_isa.pick_vec_isa()
+    flags = ["-O3", "-DNDEBUG", "-fopenmp", *isa.build_arch_flags().split()]
+    flags += [f"-D{macro}" for macro in isa.build_macro()]
+    start = time.perf_counter()
+    try:
+        cpp_extension.load(
+            name=f"compiled_spec_decode_attention_{isa or 'default'}", sources=[str(SOURCE)], extra_cflags=flags,
+            extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False,
+        )
+    except Exception as error:  # a machine without a C++ compiler or ninja still decodes, only slower
+        warnings.warn(f"compiled-spec: could not build the CPU decode attention kernel ({error}); "
+                      "compiled CPU passes attend with grouped_attention and SDPA instead", stacklevel=2)
+        return False
+    log.info("decode attention kernel ready in %.1f s", time.perf_counter() - start)
+    _loaded = True
+    return True
+
+
+torch.library.define(
+    "compiled_spec_cpu::decode_attention", "(Tensor q, Tensor keys, Tensor values, Tensor attend) -> Tensor"
+)
+
+
+@torch.library.register_fake("compiled_spec_cpu::decode_attention")
+def _(q, keys, values, attend):
+    return torch.empty_like(q, memory_format=torch.contiguous_format)
