@@ -163,9 +163,9 @@ class StepRunner:
         if device.type == "cuda":
             for tensor in graph_state.tensors() + [constants.rope_cos, constants.rope_sin, constants.eos_ids]:
                 torch._dynamo.mark_static_address(tensor)
-        if device.type == "cpu":
-            decode_attention.load()
         options = inductor_options(mode, device)
+        if device.type == "cpu" and not options.get("freezing"):
+            decode_attention.load()  # full on CPU builds it where it loads or compiles a package (packaged.py)
         model_key = model_digest(model, constants) if options.get("freezing") else None
         if options.get("freezing") and prefill_width is not None and prefill_width > PACKAGED_PREFILL_MIN_WIDTH:
             self.prefill_widths = (PACKAGED_PREFILL_MIN_WIDTH, prefill_width)
@@ -176,7 +176,7 @@ class StepRunner:
             context = PassContext(
                 graph_name=f"{name} ({mode.value})", state_writes=state_writes(state, num_drafts),
                 options={**options, **({"hisparse": repr(constants.hisparse)} if constants.hisparse else {}),
-                         **({"decode_attention": True} if device.type == "cpu" and decode_attention.loaded() else {}),
+                         **({"decode_attention": True} if device.type == "cpu" else {}),
                          **({"micro_gemm": CACHE_KEY} if MICRO_GEMM_CHANGED and options.get("freezing") else {})},
             )
             manager = SpecPassManager(passes if passes is not None else default_passes(constants.hisparse), context)

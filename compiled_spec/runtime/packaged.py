@@ -33,6 +33,7 @@ from torch.export.graph_signature import InputKind
 
 from passes.graph_inputs import named_inputs
 
+from ..model import decode_attention
 from ..speculative.state import DecodeState
 from . import shared_constants
 from .inductor_compile_time import probe_vector_isas_in_background
@@ -129,6 +130,9 @@ class AheadOfTimeCompiled:
         return self.folder / f"{self.function.__name__}-{shape}-{key[:24]}.pt2"
 
     def _package(self, model, state, constants, args):
+        # Here rather than when the engine starts: a tiered start decodes in eager before it needs the kernel, and its
+        # compile processes build it meanwhile.
+        decode_attention.load()
         path = self.package_path(state, args)
         if path.exists():
             self.loaded.append(path.name)
