@@ -22,6 +22,12 @@ def causal_rows(batch: int, length: int, capacity: int, first: list[int]) -> tor
     return (torch.arange(capacity)[None, None, :] <= last[:, :, None])[:, None]
 
 
+def sdpa(q, keys, values, attend):
+    return F.scaled_dot_product_attention(
+        q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), attn_mask=attend, enable_gqa=True
+    ).transpose(1, 2)
+
+
 @pytest.mark.parametrize("heads, kv_heads", [(9, 3), (4, 4), (8, 1)])
 @pytest.mark.parametrize("length", [1, 4])
 def test_grouped_attention_equals_sdpa(heads, kv_heads, length):
@@ -31,16 +37,8 @@ def test_grouped_attention_equals_sdpa(heads, kv_heads, length):
     keys = torch.randn(batch, capacity, kv_heads, dim, generator=generator)
     values = torch.randn(batch, capacity, kv_heads, dim, generator=generator)
     attend = causal_rows(batch, length, capacity, [0, 11, capacity - length])
-    expected = F.scaled_dot_product_attention(
-        q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), attn_mask=attend, enable_gqa=True
-    ).transpose(1, 2)
-    torch.testing.assert_close(grouped_attention(q, keys, values, attend), expected, rtol=1e-5, atol=1e-5)
-
-
-def sdpa(q, keys, values, attend):
-    return F.scaled_dot_product_attention(
-        q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), attn_mask=attend, enable_gqa=True
-    ).transpose(1, 2)
+    torch.testing.assert_close(grouped_attention(q, keys, values, attend), sdpa(q, keys, values, attend),
+                               rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("heads, kv_heads, dim", [(9, 3, 64), (4, 4, 32), (8, 1, 128), (14, 2, 64), (6, 3, 20)])
@@ -92,10 +90,7 @@ def attention_ops_compiled(length: int) -> set[str]:
     attend = causal_rows(batch, length, capacity, [0, 0])
     compiled = torch.compile(attend_with_cache, backend=backend, fullgraph=True, dynamic=False)
     out = compiled(q, k, v, key_cache, value_cache, torch.arange(batch), write_index, attend, True)
-    reference = F.scaled_dot_product_attention(
-        q.transpose(1, 2), key_cache.transpose(1, 2), value_cache.transpose(1, 2), attn_mask=attend, enable_gqa=True
-    ).transpose(1, 2)
-    torch.testing.assert_close(out, reference, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out, sdpa(q, key_cache, value_cache, attend), rtol=1e-5, atol=1e-5)
     return {target for target in seen if "scaled_dot_product" in target or "decode_attention" in target}
 
 

@@ -37,9 +37,9 @@ void softmax_rows(float* scores, int64_t rows, int64_t count, int64_t ld) {
       row[j] = std::exp(row[j] - highest);
       total += row[j];
     }
-    const Vec inverse(1.f / total);
-    for (j = 0; j + W <= count; j += W) (Vec::loadu(row + j) * inverse).store(row + j);
-    for (; j < count; ++j) row[j] *= 1.f / total;
+    const float inverse = 1.f / total;
+    for (j = 0; j + W <= count; j += W) (Vec::loadu(row + j) * Vec(inverse)).store(row + j);
+    for (; j < count; ++j) row[j] *= inverse;
   }
 }
 
@@ -112,34 +112,31 @@ void mix_any(const float* weights, const float* values, int64_t stride, const in
 
 constexpr int64_t MAX_HEADS_AT_ONCE = 3;
 
+template <int N, int HB>
+void attend_block(const float* query, const float* keys, const float* values, int64_t stride,
+                  const int64_t* positions, int64_t count, float* weights, int64_t ld, float* out) {
+  Heads<N, HB>::score(query, keys, stride, positions, count, weights, ld);
+  softmax_rows(weights, HB, count, ld);
+  Heads<N, HB>::mix(weights, ld, values, stride, positions, count, out, N * W);
+}
+
 template <int N>
 void attend_heads(int64_t heads, const float* query, const float* keys, const float* values, int64_t stride,
                   const int64_t* positions, int64_t count, float* weights, int64_t ld, float* out) {
   switch (heads) {
     case 1:
-      Heads<N, 1>::score(query, keys, stride, positions, count, weights, ld);
-      break;
+      return attend_block<N, 1>(query, keys, values, stride, positions, count, weights, ld, out);
     case 2:
-      Heads<N, 2>::score(query, keys, stride, positions, count, weights, ld);
-      break;
+      return attend_block<N, 2>(query, keys, values, stride, positions, count, weights, ld, out);
     default:
-      Heads<N, 3>::score(query, keys, stride, positions, count, weights, ld);
-  }
-  softmax_rows(weights, heads, count, ld);
-  switch (heads) {
-    case 1:
-      return Heads<N, 1>::mix(weights, ld, values, stride, positions, count, out, N * W);
-    case 2:
-      return Heads<N, 2>::mix(weights, ld, values, stride, positions, count, out, N * W);
-    default:
-      return Heads<N, 3>::mix(weights, ld, values, stride, positions, count, out, N * W);
+      return attend_block<N, 3>(query, keys, values, stride, positions, count, weights, ld, out);
   }
 }
 
 // heads (at most MAX_HEADS_AT_ONCE) query rows of dim floats at query, their outputs at out; weights: heads rows of
 // ld floats to work in.
-void attend_rows(int64_t heads, int64_t dim, const float* query, const float* keys, const float* values, int64_t stride,
-            const int64_t* positions, int64_t count, float* weights, int64_t ld, float* out) {
+void attend_rows(int64_t heads, int64_t dim, const float* query, const float* keys, const float* values,
+                 int64_t stride, const int64_t* positions, int64_t count, float* weights, int64_t ld, float* out) {
   switch (dim / W * (dim % W == 0)) {
     case 2:
       return attend_heads<2>(heads, query, keys, values, stride, positions, count, weights, ld, out);
