@@ -70,8 +70,12 @@ def test_decode_attention_kernel_gives_zeros_to_a_row_that_attends_to_nothing_an
     torch.testing.assert_close(out[:, 1:], sdpa(q, keys, values, attend)[:, 1:], rtol=1e-5, atol=1e-5)
     with pytest.raises(RuntimeError, match="float32"):
         torch.ops.compiled_spec_cpu.decode_attention(q.double(), keys.double(), values.double(), attend)
-    with pytest.raises(RuntimeError, match=r"\[B, 1, T, S\]"):
+    with pytest.raises(RuntimeError, match=r"\[B, 1, T, S\] = \[1, 1, 2, 10\]; got \[1, 1, 2, 9\]"):
         torch.ops.compiled_spec_cpu.decode_attention(q, keys, values, attend[..., :9])
+    with pytest.raises(RuntimeError, match=r"keys and values must both be .* got \[1, 10, 2, 16\] and \[1, 9, 2, 16\]"):
+        torch.ops.compiled_spec_cpu.decode_attention(q, keys, values[:, :9], attend)
+    with pytest.raises(RuntimeError, match=r"heads \(4\) must be a multiple of kv_heads \(3\)"):
+        torch.ops.compiled_spec_cpu.decode_attention(q, torch.randn(1, 10, 3, 16), torch.randn(1, 10, 3, 16), attend)
 
 
 def attention_ops_compiled(length: int) -> set[str]:

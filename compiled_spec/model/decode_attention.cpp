@@ -171,9 +171,14 @@ at::Tensor decode_attention(const at::Tensor& q_in, const at::Tensor& keys_in, c
   const auto attend = attend_in.contiguous();
   const int64_t batch = q.size(0), rows = q.size(1), heads = q.size(2), dim = q.size(3);
   const int64_t length = keys.size(1), kv_heads = keys.size(2);
-  TORCH_CHECK(kv_heads > 0 && heads % kv_heads == 0, "decode_attention: heads must be a multiple of kv_heads");
+  TORCH_CHECK(keys.sizes() == values.sizes() && keys.size(0) == batch && keys.size(3) == dim,
+              "decode_attention: keys and values must both be [B, S, kv_heads, D] for q ", q.sizes(), "; got ",
+              keys.sizes(), " and ", values.sizes());
+  TORCH_CHECK(kv_heads > 0 && heads % kv_heads == 0, "decode_attention: heads (", heads,
+              ") must be a multiple of kv_heads (", kv_heads, ")");
   TORCH_CHECK(attend.size(0) == batch && attend.size(1) == 1 && attend.size(2) == rows && attend.size(3) == length,
-              "decode_attention: attend must be [B, 1, T, S]");
+              "decode_attention: attend must be [B, 1, T, S] = [", batch, ", 1, ", rows, ", ", length, "]; got ",
+              attend.sizes());
   const int64_t group = heads / kv_heads;
   const float scale = 1.f / std::sqrt(static_cast<float>(dim));
   auto out = at::empty_like(q);
