@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
+import subprocess
 import threading
 import time
+import zipfile
 from types import SimpleNamespace
 
 import pytest
@@ -95,7 +98,7 @@ def compiled_mlp(tmp_path_factory):
             inductor_configs=inductor_options(GraphMode.FULL, torch.device("cpu")))
         compiled = torch._inductor.aoti_load_package(package)(rows)
         expected = mlp(rows)
-    return SimpleNamespace(sources=sources, runs=runs, compiled=compiled, expected=expected)
+    return SimpleNamespace(sources=sources, runs=runs, compiled=compiled, expected=expected, package=package)
 
 
 def test_gemm_kernels_of_one_graph_share_each_micro_gemm_and_compute_as_eager(compiled_mlp):
@@ -125,9 +128,31 @@ def test_the_micro_gemm_holds_its_accumulators_raw_prefetches_over_several_rows_
                 f"                _mm_prefetch(reinterpret_cast<const char*>(B + (k + {PREFETCH_DISTANCE}) * ldb")
     raw_accumulators = ("#if defined(CPU_CAPABILITY_AVX512)\n    __m512 vc[ROWS*COLS];\n"
                         "#elif defined(CPU_CAPABILITY_AVX2)\n    __m256 vc[ROWS*COLS];")
+    weights_in_registers = ("#if defined(CPU_CAPABILITY_AVX2)\n            {\n"
+                            "                __m256 weights = Vectorized::loadu(B + k * ldb + col * VLEN);\n"
+                            "                asm(\"\" : \"+x\"(weights));")
     assert all(prefetch in kernel and raw_accumulators in kernel for kernel in kernels)
+    assert all(weights_in_registers in kernel for kernel in kernels)
     assert all("vc[idx] = at::vec::fmadd(va, vb[col], Vectorized(vc[idx]));" in kernel for kernel in kernels)
     torch.testing.assert_close(compiled_mlp.compiled, compiled_mlp.expected, rtol=1e-5, atol=1e-5)
+
+
+def test_on_avx2_every_fma_of_the_compiled_gemms_takes_its_weights_from_a_register(compiled_mlp, tmp_path):
+    """The machine code, not the source: g++ folded each weight vector's load into every row's FMA (12 loads per
+    4-row k-step instead of 3) until the micro-kernel held the loaded vector in a register (micro_gemm_kernel)."""
+    if not isinstance(cpu_vec_isa.pick_vec_isa(), cpu_vec_isa.VecAVX2):
+        pytest.skip("the weights are held in registers on AVX2 only; inductor compiles for another vector ISA here")
+    objdump = shutil.which("objdump")
+    if objdump is None:
+        pytest.skip("objdump (binutils) is not installed")
+    with zipfile.ZipFile(compiled_mlp.package) as archive:
+        library, = (name for name in archive.namelist() if name.endswith(".so"))
+        archive.extract(library, tmp_path)
+    code = subprocess.run([objdump, "-d", "--no-show-raw-insn", str(tmp_path / library)], capture_output=True,
+                          text=True, check=True).stdout
+    fma_operands = re.findall(r"\tvfmadd\w+ps\s+(\S+)", code)
+    assert len(fma_operands) >= 12  # one 4-row, 24-column k-step at least
+    assert [operand for operand in fma_operands if "(" in operand] == []
 
 
 def test_the_objects_build_at_once_the_runtime_interface_apart_and_the_link_waits_for_them(compiled_mlp):
