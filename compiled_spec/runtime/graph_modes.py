@@ -63,10 +63,10 @@ PACKAGED_STEP_MIN_BATCH = 1
 # batch's longer compile (its traces carry the batch as a symbol).
 PACKAGED_STEP_MIN_LARGEST_BATCH = 3
 
-# full on CPU compiles every GEMM with the C++ GEMM template, whose micro-kernel keeps its accumulators in registers
-# and prefetches the weights over several rows (micro_gemm_kernel): a step that verifies k+1 rows then streams them
-# about as fast as a one-row step does. Without that, ATen's GEMMs were faster for an engine that drafts ("GEMMs of
-# an engine that drafts, on CPU", README).
+# full on CPU compiles every GEMM with the C++ GEMM template, whose micro-kernel keeps its accumulators (and on AVX2
+# its weight vectors) in registers and prefetches the weights over several rows (micro_gemm_kernel): a step that
+# verifies k+1 rows then streams them about as fast as a one-row step does. Without that, ATen's GEMMs were faster
+# for an engine that drafts ("GEMMs of an engine that drafts, on CPU", README).
 MICRO_GEMM_CHANGED = use_changed_micro_gemm()
 
 
