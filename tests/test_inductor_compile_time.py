@@ -128,7 +128,7 @@ def test_the_micro_gemm_holds_its_accumulators_raw_prefetches_over_several_rows_
                 f"                _mm_prefetch(reinterpret_cast<const char*>(B + (k + {PREFETCH_DISTANCE}) * ldb")
     raw_accumulators = ("#if defined(CPU_CAPABILITY_AVX512)\n    __m512 vc[ROWS*COLS];\n"
                         "#elif defined(CPU_CAPABILITY_AVX2)\n    __m256 vc[ROWS*COLS];")
-    weights_in_registers = ("#if defined(CPU_CAPABILITY_AVX2)\n            {\n"
+    weights_in_registers = ("#if defined(CPU_CAPABILITY_AVX2) && defined(__GNUC__)\n            {\n"
                             "                __m256 weights = Vectorized::loadu(B + k * ldb + col * VLEN);\n"
                             "                asm(\"\" : \"+x\"(weights));")
     assert all(prefetch in kernel and raw_accumulators in kernel for kernel in kernels)

@@ -13,7 +13,8 @@ weights prefetched when it computes more than one row, and on AVX2 each weight v
   kernel does not prefetch. A prefetch never faults, so the one that reaches past the end of a block is harmless.
 - **Weights in registers (AVX2).** g++ 12 folded each weight vector's load into every row's FMA, so a 4-row k-step
   made 12 loads of 3 vectors; AVX2 has 16 vector registers and the 12 accumulators, the 3 weights and a broadcast
-  row value just fit. An empty asm that takes each loaded vector as a register operand makes g++ keep it there.
+  row value just fit. An empty asm that takes each loaded vector as a register operand makes g++ keep it there
+  (GNU inline asm, which g++ and clang take; other compilers keep the load as it was).
   On an AVX2-only Zen 3 VM, 10 SmolLM2 MLPs over 238 rows (a long prompt's prefill) took 81-86 ms instead of
   154-168, over 64 rows 23 instead of 43; over 1-6 rows the times stayed within the VM's noise. AVX-512 has 32
   registers and was not measured, so it keeps the load as it was.
@@ -44,7 +45,7 @@ _PREFETCHED_WEIGHT_LOAD = f"""        {{%- else %}}
                 _mm_prefetch(reinterpret_cast<const char*>(B + (k + {PREFETCH_DISTANCE}) * ldb + col * VLEN),
                              _MM_HINT_T1);
             }}
-#if defined(CPU_CAPABILITY_AVX2)
+#if defined(CPU_CAPABILITY_AVX2) && defined(__GNUC__)
             {{
                 __m256 weights = Vectorized::loadu(B + k * ldb + col * VLEN);
                 asm("" : "+x"(weights));  // held in a register: g++ would load it again in every row's FMA
