@@ -3,6 +3,11 @@ must change the key, and nothing else may."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+
 import torch
 
 from compiled_spec import LLM
@@ -99,3 +104,42 @@ def test_engines_that_draft_and_that_do_not_get_the_cpp_template_and_its_changed
             assert "cpp.weight_prepack" not in function.options
             # A package or FX graph compiled from the micro-kernel as torch ships it is not reused for the changed one.
             assert function.manager.context.options["micro_gemm"] == micro_gemm_kernel.CACHE_KEY
+
+
+# Names the step package a fresh process's engine expects before it builds the attention kernel (as a tiered start
+# does), builds it, and names it again.
+NAME_THE_STEP_PACKAGE = """
+import json, sys, warnings
+from compiled_spec import LLM
+from compiled_spec.model import decode_attention
+llm = LLM(sys.argv[1], graph_mode="full", max_batch_size=1, max_seq_len=32, warm_up=False, show_progress=False)
+graph = next(graph for graph in llm.engine.warm_up_graphs() if graph[0] == "step")
+before = llm.engine.runner.package_path(*graph)
+with warnings.catch_warnings(record=True):
+    built = decode_attention.load()
+print(json.dumps([built, str(before), str(llm.engine.runner.package_path(*graph))]))
+"""
+
+
+def test_a_package_compiled_with_the_attention_kernel_is_not_the_one_a_process_without_it_loads(tiny_checkpoint,
+                                                                                                  tmp_path):
+    """A package compiled where the kernel built calls it, and a package has no guards: a process where the kernel
+    does not build (here, ninja fails) must name another package. Before the build, a process names the package it
+    will use after, so a tiered start compiles the package it then loads."""
+    path = str(tiny_checkpoint("predictive").path)
+    failing = tmp_path / "bin"
+    failing.mkdir()
+    (failing / "ninja").write_text("#!/bin/sh\nexit 1\n")
+    (failing / "ninja").chmod(0o755)
+
+    def name_the_step_package(path_prefix: list[str]) -> list:
+        environment = {**os.environ, "PATH": os.pathsep.join([*path_prefix, os.environ["PATH"]])}
+        done = subprocess.run([sys.executable, "-c", NAME_THE_STEP_PACKAGE, path], env=environment,
+                              capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return json.loads(done.stdout.splitlines()[-1])
+
+    with_kernel, without_kernel = name_the_step_package([]), name_the_step_package([str(failing)])
+    assert with_kernel[0] and not without_kernel[0]
+    assert with_kernel[1] == with_kernel[2] and without_kernel[1] == without_kernel[2]
+    assert with_kernel[2] != without_kernel[2]

@@ -19,6 +19,7 @@ SOURCE = Path(__file__).with_suffix(".cpp")
 log = logging.getLogger(__name__)
 
 _loaded = False
+_tried = False
 
 
 def loaded() -> bool:
@@ -26,12 +27,25 @@ def loaded() -> bool:
     return _loaded
 
 
+def expected() -> bool:
+    """Whether graphs compiled in this process attend with the kernel: load()'s result once it has run. Before that
+    (a tiered start names its packages before it builds the kernel), whether it can be built: ninja runs."""
+    return _loaded if _tried else _ninja_runs()
+
+
+@functools.cache
+def _ninja_runs() -> bool:
+    from torch.utils import cpp_extension
+
+    return cpp_extension.is_ninja_available()
+
+
 @functools.cache
 def load() -> bool:
     """Builds the kernel for this CPU's vector ISA (the first time on a machine, in about 16 s on a 2-core VM;
     later processes load the built library) and registers it. Where it cannot be built, warns once and returns
     False: compiled CPU passes then attend with grouped_attention and SDPA."""
-    global _loaded
+    global _loaded, _tried
     from torch._inductor import cpu_vec_isa
     from torch.utils import cpp_extension
 
@@ -39,6 +53,7 @@ def load() -> bool:
     flags = ["-O3", "-DNDEBUG", "-fopenmp", *isa.build_arch_flags().split()]
     flags += [f"-D{macro}" for macro in isa.build_macro()]
     start = time.perf_counter()
+    _tried = True
     try:
         cpp_extension.load(
             name=f"compiled_spec_decode_attention_{isa or 'default'}", sources=[str(SOURCE)], extra_cflags=flags,

@@ -176,7 +176,8 @@ class StepRunner:
             context = PassContext(
                 graph_name=f"{name} ({mode.value})", state_writes=state_writes(state, num_drafts),
                 options={**options, **({"hisparse": repr(constants.hisparse)} if constants.hisparse else {}),
-                         **({"decode_attention": True} if device.type == "cpu" else {}),
+                         **({"decode_attention": decode_attention.loaded()}
+                            if device.type == "cpu" and not options.get("freezing") else {}),
                          **({"micro_gemm": CACHE_KEY} if MICRO_GEMM_CHANGED and options.get("freezing") else {})},
             )
             manager = SpecPassManager(passes if passes is not None else default_passes(constants.hisparse), context)
