@@ -1,12 +1,15 @@
 """Compiled CPU decode passes attend with the C++ kernel (decode_attention), or with grouped_attention where it cannot
-be built; both must equal SDPA, the attention eager and prefill use."""
+be built; both must equal SDPA, the attention eager and prefill use. A prefill attends over its prompt's cache rows
+only."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
+from compiled_spec import LLM, SamplingParams
 from compiled_spec.model import decode_attention
 from compiled_spec.model.layers import (
     COMPILED_ATTENTION_MAX_ROWS,
@@ -113,3 +116,28 @@ def test_without_the_kernel_compiled_decode_passes_use_grouped_attention_and_lon
         assert attention_ops_compiled(COMPILED_ATTENTION_MAX_ROWS + 1) != set()
     finally:
         torch._dynamo.reset()
+
+
+class KeyLengths(TorchDispatchMode):
+    """Records how many cache positions each SDPA call attends over."""
+
+    def __init__(self):
+        super().__init__()
+        self.lengths: list[int] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if "scaled_dot_product" in func.__name__:
+            self.lengths.append(args[1].shape[-2])  # keys [B, kv_heads, S, D]
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_prefill_attends_over_its_prompt_width_not_the_whole_cache(tiny_checkpoint):
+    """Every row of a prefill, the draft depths' included, lies within the prompt, so its attention reads that many
+    cache positions: its cost follows the prompt, not max_seq_len."""
+    llm = LLM(tiny_checkpoint("predictive").path, num_speculative_tokens=2, max_seq_len=64, graph_mode="eager",
+              show_progress=False)
+    width = llm.engine.prefill_buckets[0]  # a 5-token prompt is padded to the smallest bucket
+    assert width < llm.engine.state.cache_capacity
+    with KeyLengths() as keys:
+        llm.generate([[5, 9, 2, 7, 1]], SamplingParams(max_tokens=1))  # a prefill, and no step
+    assert keys.lengths == [width] * (llm.model_config.num_hidden_layers + 2)

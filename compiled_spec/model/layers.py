@@ -20,7 +20,8 @@ class PassLayout(NamedTuple):
     slot_ids: [B] cache slot of each batch row.
     write_index: [B, T] cache position each row's key/value is written to (the trash position for
         rows that must not land anywhere real: padding, rows before the start of the sequence).
-    attend: [B, 1, T, S] bool, which cache positions each row may attend to.
+    attend: [B, 1, T, S] bool, which of the first S cache positions each row may attend to (S: the cache's
+        length, or a prefill's prompt width: no row attends past it).
     cos, sin: [B, T, rotary_dim] rotary tables gathered at the rows' positions.
     slots_are_prefix: the batch is slots 0..B-1, so the cache is read as a view instead of a gather.
     opaque_attention: run cache write + attention as one custom op the compiler does not look into
@@ -50,15 +51,16 @@ def attend_with_cache(
     attend: torch.Tensor,
     slots_are_prefix: bool,
 ) -> torch.Tensor:
-    """Writes k, v [B, T, kv_heads, D] into the caches, then attends q [B, T, heads, D] over them."""
-    batch = q.shape[0]
+    """Writes k, v [B, T, kv_heads, D] into the caches, then attends q [B, T, heads, D] over them: over the cache
+    positions attend [B, 1, T, S] covers, the first S (a prefill's mask covers only its prompt)."""
+    batch, attended = q.shape[0], attend.shape[-1]
     cache_rows = (slot_ids[:, None], write_index)
     key_cache.index_put_(cache_rows, k.to(key_cache.dtype))
     value_cache.index_put_(cache_rows, v.to(value_cache.dtype))
     if slots_are_prefix:
-        keys, values = key_cache[:batch], value_cache[:batch]
+        keys, values = key_cache[:batch, :attended], value_cache[:batch, :attended]
     else:
-        keys, values = key_cache[slot_ids], value_cache[slot_ids]
+        keys, values = key_cache[slot_ids, :attended], value_cache[slot_ids, :attended]
     keys, values = keys.to(q.dtype), values.to(q.dtype)  # a compact HiSparse cold pool is widened to read
     if torch.compiler.is_compiling() and q.device.type == "cpu":
         if decode_attention.loaded() and q.dtype == torch.float32 and q.shape[1] <= DECODE_ATTENTION_MAX_ROWS:

@@ -49,14 +49,17 @@ def make_layout(
     writable: torch.Tensor,
     slots_are_prefix: bool,
     sparse: bool = False,
+    attended: int | None = None,
 ) -> PassLayout:
     """Rows at `positions` [B, T]; rows that are not `writable` or lie before position 0 write to the trash.
 
     sparse: a decode pass, which attends sparsely when HiSparse is on (prefill stays dense).
+    attended: no row lies at this position or past it (a prefill's rows lie within its prompt), so attention reads
+    only the cache positions before it; default, the whole cache.
     """
     clamped = positions.clamp(min=0)
     write_index = torch.where(writable & (positions >= 0), positions, state.trash_position)
-    cache_positions = torch.arange(state.cache_capacity, device=positions.device)
+    cache_positions = torch.arange(state.cache_capacity if attended is None else attended, device=positions.device)
     attend = (cache_positions[None, None, :] <= clamped[:, :, None])[:, None]
     return PassLayout(
         slot_ids=slot_ids,
@@ -113,6 +116,7 @@ def _draft_chain(
     next_position: torch.Tensor,
     k: int,
     sparse: bool = False,
+    attended: int | None = None,
 ):
     """Runs draft depths 1..k over their windows and samples one draft at each.
 
@@ -123,6 +127,7 @@ def _draft_chain(
     producing_index [B]: depth-1 window index whose output predicts the first draft (n in a step).
     writable_rows [B, W]: depth-1 rows that may be written (prompt padding may not).
     next_position [B]: position of the first draft token.
+    attended: as make_layout's (a prefill's prompt width).
     Returns draft tokens [B, k], draft probs [B, k, V], new carry [B, k-1, H] (depth d output at
     producing_index).
     """
@@ -140,7 +145,7 @@ def _draft_chain(
         # Depth m row i reads t_{i+m}: window index j holds row start + j, token index j + m - 1 - (m - 1) = j.
         tokens = window_tokens[:, :window]
         writable = torch.cat([torch.ones_like(writable_rows[:, :1]).expand(batch, depth - 1), writable_rows], dim=1)
-        layout = make_layout(state, constants, slot_ids, positions, writable, slots_are_prefix, sparse)
+        layout = make_layout(state, constants, slot_ids, positions, writable, slots_are_prefix, sparse, attended)
         if depth > 1:
             previous = torch.cat([carry_hidden[:, depth - 2 : depth - 1], previous], dim=1)
         tiers = draft_tiers(state, depth)
@@ -297,7 +302,7 @@ def prefill(
     width = prompt_ids.shape[1]
     positions = torch.arange(width, device=prompt_ids.device)[None, :]
     real = positions < prompt_len[:, None]
-    layout = make_layout(state, constants, slot, positions, real, False)
+    layout = make_layout(state, constants, slot, positions, real, False, attended=width)
     reset_hot_rows(state, slot)
     hidden = model.hidden_states(prompt_ids, layout, state.main_keys, state.main_values, main_tiers(state))
     last = (prompt_len - 1)[:, None, None].expand(1, 1, hidden.shape[-1])
@@ -326,6 +331,7 @@ def prefill(
             writable_rows=real,
             next_position=new_seq_len,
             k=k,
+            attended=width,
         )
         _write_leading(state.draft_tokens, slot, drafts)
         _write_leading(state.draft_probs, slot, draft_probs)
