@@ -105,6 +105,10 @@ def engine_options(command):
                           "still verifies over the whole vocabulary, so output is unchanged). Default: a named model's "
                           "own with its shipped modules (smollm2-135m: 8192), else the size the modules were "
                           "trained with; the vocabulary size drafts over all of it."),
+        click.option("--draft-dtype", "draft_dtype", type=click.Choice(("float16", "float32")), default=None,
+                     help="Store the MTP modules' matrices and the draft head in float16: each draft streams half "
+                          "the bytes, computed in float32 (output is unchanged; acceptance may move slightly). "
+                          "Default: float16 for smollm2-135m on CPU with its shipped modules, else float32."),
         click.option("-k", "--num-speculative-tokens", "num_speculative_tokens", type=DraftCount(), default=None,
                      help=f"Tokens drafted per step by the MTP module(s), 0..{MAX_SPECULATIVE_TOKENS}; "
                           "0 turns speculation off; auto chooses k before each step, 0..--max-speculative-tokens, "
@@ -138,7 +142,8 @@ def engine_options(command):
 
 
 def make_llm(model, mtp, draft_vocab_size, num_speculative_tokens, graph_mode, max_batch_size, max_seq_len, seed,
-             hisparse, top_k_tokens, hot_rows, cold_dtype, cold_pool, warm_up=True, max_speculative_tokens=3):
+             hisparse, top_k_tokens, hot_rows, cold_dtype, cold_pool, warm_up=True, max_speculative_tokens=3,
+             draft_dtype=None):
     """The LLM engine_options ask for; bad input becomes an InputError (one `error:` line, exit 2)."""
     from compiled_spec import LLM, CompiledSpecError
 
@@ -147,7 +152,7 @@ def make_llm(model, mtp, draft_vocab_size, num_speculative_tokens, graph_mode, m
         return LLM(model, num_speculative_tokens=num_speculative_tokens, max_speculative_tokens=max_speculative_tokens,
                    graph_mode=graph_mode,
                    max_batch_size=max_batch_size, max_seq_len=max_seq_len, seed=seed, hisparse=sparse, mtp=mtp,
-                   draft_vocab_size=draft_vocab_size, warm_up=warm_up)
+                   draft_vocab_size=draft_vocab_size, draft_dtype=draft_dtype, warm_up=warm_up)
     except CompiledSpecError as error:
         raise InputError(str(error)) from None
 
@@ -194,8 +199,8 @@ def main():
               help="Each PROMPT is a user message: apply the model's chat template and print only the answer.")
 @click.option("--json", "as_json", is_flag=True,
               help="Print one JSON object per prompt, then one with the aggregate (JSON lines).")
-def generate(prompts, prompt_ids, model, mtp, draft_vocab_size, num_speculative_tokens, max_speculative_tokens,
-             temperature, top_p, top_k, max_tokens, seed,
+def generate(prompts, prompt_ids, model, mtp, draft_vocab_size, draft_dtype, num_speculative_tokens,
+             max_speculative_tokens, temperature, top_p, top_k, max_tokens, seed,
              graph_mode, max_batch_size, max_seq_len, stop, ignore_eos, chat, as_json, hisparse, top_k_tokens, hot_rows,
              cold_dtype, cold_pool):
     """Generate text for each PROMPT with MTP speculative decoding.
@@ -234,7 +239,7 @@ def generate(prompts, prompt_ids, model, mtp, draft_vocab_size, num_speculative_
         raise InputError(str(error)) from None
     llm = make_llm(model, mtp, draft_vocab_size, num_speculative_tokens, graph_mode, max_batch_size, max_seq_len,
                    seed, hisparse, top_k_tokens, hot_rows, cold_dtype, cold_pool,
-                   max_speculative_tokens=max_speculative_tokens)
+                   max_speculative_tokens=max_speculative_tokens, draft_dtype=draft_dtype)
     if llm.tokenizer is None and any(isinstance(p, str) for p in all_prompts):
         raise InputError(f"model {str(llm.path)!r} has no tokenizer; pass prompts as --prompt-ids 1,2,3")
 
@@ -296,8 +301,8 @@ def generate(prompts, prompt_ids, model, mtp, draft_vocab_size, num_speculative_
               help="Append one JSON line per decode step: the requests in the batch, drafts accepted, waiting.")
 @click.option("--log-level", "log_level", type=click.Choice(("critical", "error", "warning", "info", "debug")),
               default="info", show_default=True)
-def serve(model, mtp, draft_vocab_size, num_speculative_tokens, max_speculative_tokens, graph_mode, max_batch_size,
-          max_seq_len, seed, hisparse, top_k_tokens,
+def serve(model, mtp, draft_vocab_size, draft_dtype, num_speculative_tokens, max_speculative_tokens, graph_mode,
+          max_batch_size, max_seq_len, seed, hisparse, top_k_tokens,
           hot_rows, cold_dtype, cold_pool, host, port, api_key, served_model_name, max_queue, max_request_bytes,
           shutdown_timeout, step_log, log_level):
     """Serve the model over HTTP with an OpenAI-compatible API.
@@ -327,7 +332,7 @@ def serve(model, mtp, draft_vocab_size, num_speculative_tokens, max_speculative_
 
     llm = make_llm(model, mtp, draft_vocab_size, num_speculative_tokens, graph_mode, max_batch_size, max_seq_len,
                    seed, hisparse, top_k_tokens, hot_rows, cold_dtype, cold_pool, warm_up=False,
-                   max_speculative_tokens=max_speculative_tokens)  # the engine thread warms up
+                   max_speculative_tokens=max_speculative_tokens, draft_dtype=draft_dtype)  # the engine thread warms up
     if served_model_name:
         name = served_model_name
     elif llm.path == DEFAULT_MODEL:

@@ -164,8 +164,16 @@ def measure_engine(spec: dict) -> dict:
         "hisparse_scorer": scorer_in_use(llm.model) if engine.constants.hisparse else None,
         "main_weight_bytes": main_weight_bytes(llm.model),
         "draft_vocab_size": None if llm.model.draft_vocab is None else llm.model.draft_vocab.numel(),
+        "draft_weight_dtype": draft_weight_dtype(llm.model),
         **same_process,
     }
+
+
+def draft_weight_dtype(model) -> str | None:
+    """The dtype the first MTP module's matrices are stored in (None: no modules)."""
+    if not len(model.mtp):
+        return None
+    return str(model.mtp[0].eh_proj.weight.dtype).removeprefix("torch.")
 
 
 def scorer_in_use(model) -> str:

@@ -9,13 +9,14 @@ import torch
 
 from .chat import chat_prompt
 from .checkpoint import checkpoint_dtype, load_model
-from .config import EngineConfig, GraphMode, dtype_name
+from .config import EngineConfig, GraphMode, draft_dtype_name, dtype_name
 from .errors import CompiledSpecError
 from .hisparse.config import HiSparseConfig
 from .hisparse.indexer import attach_indexers
 from .model.rope import rotary_tables
 from .params import RequestOutput, SamplingParams, SpecStats
-from .registry import default_draft_vocab_size, default_num_speculative_tokens, resolve_model, shipped_mtp_modules
+from .registry import (default_draft_dtype, default_draft_vocab_size, default_num_speculative_tokens, resolve_model,
+                       shipped_mtp_modules)
 from .runtime.background_compile import compile_worker_count
 from .runtime.engine import Engine, Request, TokenCallback
 from .speculative.state import DecodeState
@@ -45,6 +46,7 @@ class LLM:
         hisparse: HiSparseConfig | None = None,
         mtp: str | Path | None = None,
         draft_vocab_size: int | None = None,
+        draft_dtype: "str | torch.dtype | None" = None,
         background_compile: bool | None = None,
         compile_workers: int | None = None,
     ):
@@ -55,10 +57,13 @@ class LLM:
         base model (compiled-spec train-mtp writes one); a named model uses the modules shipped for it.
         draft_vocab_size: drafts sample over the modules' most frequent tokens (default: a named model's own with
         the modules shipped for it, 8192 for smollm2-135m, else the size they were trained with; the vocabulary
-        size, or more, drafts over all of it). background_compile (tiered start; full on CPU): graphs with no saved
-        package compile in a child process while the engine decodes in eager, and the engine switches to them
-        between two steps when all are ready; default: on when graph_mode is left to its default, off when it is
-        given.
+        size, or more, drafts over all of it). draft_dtype: "float16" stores the MTP modules' matrices and the
+        draft head in float16 and computes in dtype, so each draft streams half the bytes (lossless: only acceptance
+        can move); the engine's dtype keeps them as they are (default: a named model's own on CPU with the modules
+        shipped for it, float16 for smollm2-135m, else the engine's dtype). background_compile (tiered start; full
+        on CPU): graphs with no saved package compile in a child process while the engine decodes in eager, and the
+        engine switches to them between two steps when all are ready; default: on when graph_mode is left to its
+        default, off when it is given.
         compile_workers (full on CPU): processes that compile missing packages at once, one graph each at a time;
         default: $COMPILED_SPEC_COMPILE_WORKERS, else one per CPU core (one graph's compile uses one core)."""
         self.path = resolve_model(model) or DEFAULT_MODEL
@@ -79,7 +84,11 @@ class LLM:
         )
         if draft_vocab_size is None:
             draft_vocab_size = default_draft_vocab_size(self.path, self.mtp_path)
-        self.model = load_model(self.path, self.config.torch_dtype(), device, mtp=mtp, draft_vocab_size=draft_vocab_size)
+        if draft_dtype is None:
+            draft_dtype = default_draft_dtype(self.path, self.mtp_path, device)
+        draft_dtype = draft_dtype_name(draft_dtype, self.config.dtype)
+        self.model = load_model(self.path, self.config.torch_dtype(), device, mtp=mtp,
+                                draft_vocab_size=draft_vocab_size, draft_dtype=getattr(torch, draft_dtype))
         self.model_config = self.model.config
         if num_speculative_tokens is None:
             self.config.num_speculative_tokens = default_num_speculative_tokens(
@@ -101,7 +110,7 @@ class LLM:
         self.engine.tiered_start = bool(background_compile)
         if self.config.graph_mode == GraphMode.FULL and device == "cpu":
             self.engine.llm_arguments = dict(
-                model=str(self.path), mtp=self.mtp_path, draft_vocab_size=draft_vocab_size,
+                model=str(self.path), mtp=self.mtp_path, draft_vocab_size=draft_vocab_size, draft_dtype=draft_dtype,
                 num_speculative_tokens=self.config.num_speculative_tokens, max_speculative_tokens=max_speculative_tokens,
                 max_batch_size=max_batch_size, max_seq_len=max_seq_len, device=device, dtype=self.config.dtype,
                 seed=seed, batch_buckets=batch_buckets, prefill_buckets=prefill_buckets, hisparse=hisparse,

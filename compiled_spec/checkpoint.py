@@ -15,6 +15,7 @@ from .config import ModelConfig
 from .errors import CompiledSpecError
 from .gguf_checkpoint import is_gguf, read_gguf
 from .model.causal_lm import CausalLM
+from .model.half_weight_linear import store_drafts_in_half
 from .runtime.huge_pages import copies_on_huge_pages
 
 
@@ -249,10 +250,12 @@ def draft_vocabulary(ranking: torch.Tensor | None, size: int | None, default_siz
 
 
 def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu",
-               mtp: str | Path | None = None, draft_vocab_size: int | None = None) -> CausalLM:
+               mtp: str | Path | None = None, draft_vocab_size: int | None = None,
+               draft_dtype: torch.dtype | None = None) -> CausalLM:
     """The model at `path`; with `mtp`, the MTP modules come from that directory instead of the checkpoint.
 
-    draft_vocab_size: drafts sample over that many of the MTP directory's ranked tokens (see draft_vocabulary)."""
+    draft_vocab_size: drafts sample over that many of the MTP directory's ranked tokens (see draft_vocabulary).
+    draft_dtype: torch.float16 stores the drafts' weights in float16 (model/half_weight_linear.py); None, in dtype."""
     path = Path(path)
     raw_config, tensors = read_checkpoint(path)
     config = ModelConfig.from_hf(raw_config)
@@ -266,6 +269,9 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str
     config.num_mtp_modules = num_mtp
     with torch.device("meta"):
         model = CausalLM(config, mtp_hidden_first=hidden_first)
+        half_drafts = draft_dtype == torch.float16 and dtype != torch.float16
+        if half_drafts:
+            store_drafts_in_half(model)
     expected = model.state_dict()
     missing = sorted(set(expected) - set(state))
     if missing:
@@ -278,14 +284,15 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str
             )
     keep_fp32 = ("e_score_correction_bias", "gate.weight")
     loaded = {
-        name: state[name].to(device=device, dtype=torch.float32 if name.endswith(keep_fp32) else dtype)
-        for name in expected
+        name: state[name].to(device=device, dtype=torch.float32 if name.endswith(keep_fp32) else
+                             torch.float16 if tensor.dtype == torch.float16 else dtype)
+        for name, tensor in expected.items()
     }
     if torch.device(device).type == "cpu":
         loaded = on_huge_pages(loaded)
     model.load_state_dict(loaded, assign=True, strict=True)
     if draft_vocab is not None:
-        model.use_draft_vocab(draft_vocab.to(device))
+        model.use_draft_vocab(draft_vocab.to(device), torch.float16 if half_drafts else None)
     return model.eval().requires_grad_(False)
 
 

@@ -182,6 +182,19 @@ def dtype_name(dtype, checkpoint_dtype: str | None) -> str:
     return dtype
 
 
+def draft_dtype_name(draft_dtype, engine_dtype: str) -> str:
+    """The name of the dtype the drafts' weights are stored in: float16, or the engine's own (None)."""
+    import torch
+
+    name = str(draft_dtype).removeprefix("torch.") if isinstance(draft_dtype, torch.dtype) else draft_dtype
+    if name is None:
+        return engine_dtype
+    if name not in ("float16", engine_dtype):
+        raise CompiledSpecError(f"draft_dtype={draft_dtype!r} is not supported with dtype={engine_dtype!r}; choose "
+                                f"'float16' or {engine_dtype!r} (the engine's)", param="draft_dtype")
+    return name
+
+
 @dataclass(slots=True)
 class EngineConfig:
     num_speculative_tokens: int | str = 3  # or "auto": chosen per step, 0..max_speculative_tokens

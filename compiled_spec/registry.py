@@ -36,6 +36,8 @@ class NamedModel:
     num_speculative_tokens: int = 3
     # The draft vocabulary when none is asked for, with the shipped modules (None: the size they were trained with).
     draft_vocab_size: int | None = None
+    # The drafts' weight dtype on CPU with the shipped modules, when none is asked for (None: the engine's).
+    draft_dtype: str | None = None
 
 
 # MTP modules trained for a named model (compiled-spec train-mtp) ship in the package, under its name.
@@ -55,6 +57,7 @@ MODELS = {
         # Trained with 16384. With 8192 the head (18.9 MB) fits a 32 MB L3: k=3 made 56.7 tokens/s against 46.7 on
         # such a VM, and accepted within 0.8 points of the full head at position 1 in every domain (README).
         draft_vocab_size=8192,
+        draft_dtype="float16",
     ),
 }
 
@@ -153,6 +156,13 @@ def default_draft_vocab_size(path: Path, mtp_path: Path | None) -> int | None:
     None, the size the modules were trained with."""
     model = named_model_drafting_with_its_modules(path, mtp_path)
     return None if model is None else model.draft_vocab_size
+
+
+def default_draft_dtype(path: Path, mtp_path: Path | None, device: str) -> str | None:
+    """The drafts' weight dtype when none is asked for: on CPU, the named model's own with the modules shipped for
+    it; else None, the engine's dtype."""
+    model = named_model_drafting_with_its_modules(path, mtp_path)
+    return model.draft_dtype if model is not None and device.split(":")[0] == "cpu" else None
 
 
 def resolve_model(model: str | Path | None) -> Path | None:

@@ -109,13 +109,15 @@ def test_draft_vocab_size_is_checked(chat_model, tiny_checkpoint):
 
 
 @pytest.mark.slow
-def test_full_graph_with_a_sub_vocabulary_decodes_as_eager(chat_model):
-    """The sub-vocabulary head inside the whole-step graph (an AOTInductor package on CPU) changes nothing."""
+@pytest.mark.parametrize("draft_dtype", ["float32", "float16"])
+def test_full_graph_with_a_sub_vocabulary_decodes_as_eager(chat_model, draft_dtype):
+    """The sub-vocabulary head inside the whole-step graph (an AOTInductor package on CPU) changes nothing, with the
+    drafts' weights as they are and in float16 (the package then multiplies with half_weight_linear.cpp)."""
     path, mtp, plain = chat_model
     prompts = ["ROMEO: But soft", "def fib(n):"]
     params = SamplingParams(max_tokens=24, ignore_eos=True)
     engine = dict(mtp=mtp, num_speculative_tokens=2, draft_vocab_size=48, max_seq_len=64, max_batch_size=2,
-                  show_progress=False)
+                  show_progress=False, draft_dtype=draft_dtype)
     eager = LLM(path, graph_mode="eager", **engine).generate(prompts, params)
     full = LLM(path, graph_mode="full", batch_buckets=(2,), prefill_buckets=(64,), **engine).generate(prompts, params)
     assert [o.token_ids for o in full] == [o.token_ids for o in eager] == \

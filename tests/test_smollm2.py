@@ -1,7 +1,7 @@
 """The one real-model test: SmolLM2-135M-Instruct's GGUF (Q4_1), fetched as a user fetches it, against
 transformers' GGUF loader on the same file: logits, the tokenizer, and greedy text, decoded with the MTP
-modules shipped for it (their default k=3 and 8192-token draft head), whose drafts must be accepted above a
-floor."""
+modules shipped for it (their default k=3, 8192-token draft head and, on CPU, float16 draft weights), whose
+drafts must be accepted above a floor."""
 
 import pytest
 import torch
@@ -30,6 +30,7 @@ def test_smollm2_gguf_equals_transformers(smollm2):
     path, llm = smollm2
     assert llm.path == path and llm.mtp_path == SHIPPED_MTP_ROOT / "smollm2-135m"
     assert llm.num_speculative_tokens == 3 and llm.model.draft_vocab.numel() == 8192
+    assert llm.model.draft_head.dtype == llm.model.mtp[0].eh_proj.weight.dtype == torch.float16
     config = llm.model_config
     assert (config.num_hidden_layers, config.hidden_size, config.vocab_size, config.tie_word_embeddings) == \
         (30, 576, 49152, True)

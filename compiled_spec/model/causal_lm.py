@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from ..config import ModelConfig
+from .half_weight_linear import half_weight_linear
 from .layers import DecoderLayer, PassLayout, RMSNorm
 from .mtp import MtpModule
 
@@ -25,10 +26,11 @@ class CausalLM(nn.Module):
         self.register_buffer("draft_vocab", None)
         self.register_buffer("draft_head", None)
 
-    def use_draft_vocab(self, token_ids: torch.Tensor) -> None:
+    def use_draft_vocab(self, token_ids: torch.Tensor, dtype: torch.dtype | None = None) -> None:
+        """dtype: the draft head's, when it differs from the head's (float16: see half_weight_linear.py)."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         self.draft_vocab = token_ids
-        self.draft_head = weight[token_ids].clone()
+        self.draft_head = weight[token_ids].to(dtype or weight.dtype, copy=True)
 
     def hidden_states(
         self,
@@ -50,7 +52,10 @@ class CausalLM(nn.Module):
 
     def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits over the draft vocabulary: the whole vocabulary, or the sub-vocabulary use_draft_vocab set."""
-        return self.logits(hidden) if self.draft_vocab is None else (hidden @ self.draft_head.t()).float()
+        if self.draft_vocab is None:
+            return self.logits(hidden)
+        return half_weight_linear(hidden, self.draft_head).float() if self.draft_head.dtype != hidden.dtype else \
+            (hidden @ self.draft_head.t()).float()
 
     def draft_tokens_and_probs(self, index: torch.Tensor, probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """A draft sampled as `index` from `probs` over the draft vocabulary -> its token id and its q over the

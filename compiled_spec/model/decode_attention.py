@@ -1,4 +1,5 @@
 """The C++ attention kernel of compiled CPU decode passes (decode_attention.cpp): built once per machine, then loaded.
+The same build holds the drafts' float16-weight linear (half_weight_linear.cpp).
 
 It reads only the cache positions a row may attend to, where SDPA and grouped_attention read the whole cache
 (max_seq_len rows) and mask most of it away, and it shares each key and value row among the query heads of its
@@ -15,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-SOURCE = Path(__file__).with_suffix(".cpp")
+SOURCES = [Path(__file__).with_suffix(".cpp"), Path(__file__).with_name("half_weight_linear.cpp")]
 log = logging.getLogger(__name__)
 
 _loaded = False
@@ -23,7 +24,7 @@ _tried = False
 
 
 def loaded() -> bool:
-    """Whether the kernel is registered in this process (read while tracing: attention takes it only then)."""
+    """Whether the kernels are registered in this process (read while tracing: attention takes it only then)."""
     return _loaded
 
 
@@ -42,12 +43,15 @@ def _ninja_runs() -> bool:
 
 @functools.cache
 def load() -> bool:
-    """Builds the kernel for this CPU's vector ISA (the first time on a machine, in about 16 s on a 2-core VM;
-    later processes load the built library) and registers it. Where it cannot be built, warns once and returns
-    False: compiled CPU passes then attend with grouped_attention and SDPA."""
+    """Builds the kernels for this CPU's vector ISA (the first time on a machine, in about 16 s on a 2-core VM;
+    later processes load the built library) and registers them. Where they cannot be built, warns once and returns
+    False: compiled CPU passes then attend with grouped_attention and SDPA, and float16 draft weights are widened
+    to the activations' dtype in the graph."""
     global _loaded, _tried
     from torch._inductor import cpu_vec_isa
     from torch.utils import cpp_extension
+
+    from . import half_weight_linear  # noqa: F401  defines the op the build registers
 
     isa = cpu_vec_isa.pick_vec_isa()
     flags = ["-O3", "-DNDEBUG", "-fopenmp", *isa.build_arch_flags().split()]
@@ -56,14 +60,14 @@ def load() -> bool:
     _tried = True
     try:
         cpp_extension.load(
-            name=f"compiled_spec_decode_attention_{isa or 'default'}", sources=[str(SOURCE)], extra_cflags=flags,
-            extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False,
+            name=f"compiled_spec_cpu_kernels_{isa or 'default'}", sources=[str(source) for source in SOURCES],
+            extra_cflags=flags, extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False,
         )
     except Exception as error:  # a machine without a C++ compiler or ninja still decodes, only slower
-        warnings.warn(f"compiled-spec: could not build the CPU decode attention kernel ({error}); "
-                      "compiled CPU passes attend with grouped_attention and SDPA instead", stacklevel=2)
+        warnings.warn(f"compiled-spec: could not build the CPU kernels ({error}); compiled CPU passes "
+                      "attend with grouped_attention and SDPA instead", stacklevel=2)
         return False
-    log.info("decode attention kernel ready in %.1f s", time.perf_counter() - start)
+    log.info("CPU kernels ready in %.1f s", time.perf_counter() - start)
     _loaded = True
     return True
 

@@ -1,7 +1,7 @@
 """Greedy speculative acceptance of trained MTP modules on held-out prompts, per domain, through the engine.
 
     python -m compiled_spec.training.mtp_acceptance --mtp compiled_spec/mtp_modules/smollm2-135m \\
-        [-k 3] [--draft-vocab 4096,8192,16384,49152] [--json evaluation.json]
+        [-k 3] [--draft-vocab 4096,8192,16384,49152] [--draft-dtype float16] [--json evaluation.json]
 
 The prompts come from the parts of each domain that training never sees (mtp_corpus): openings of held-out
 standard-library functions, passages of held-out plays, and held-out chat prompts in the chat template.
@@ -59,6 +59,8 @@ def main() -> None:
     parser.add_argument("--model", default=None, help="the base model (default: the one the modules were trained on)")
     parser.add_argument("-k", type=int, default=3)
     parser.add_argument("--draft-vocab", default=None, help="comma-separated sizes (default: the trained size)")
+    parser.add_argument("--draft-dtype", default=None,
+                        help="the drafts' weight dtype, float16 or float32 (default: LLM's, float16 for smollm2-135m)")
     parser.add_argument("--prompts", type=int, default=32,
                         help="held-out prompts per domain (8 were too few to rank two trained module sets)")
     parser.add_argument("--max-tokens", type=int, default=64)
@@ -77,7 +79,9 @@ def main() -> None:
                "prompts_per_domain": args.prompts, "greedy": True, "by_draft_vocab_size": {}}
     for size in sizes:
         llm = LLM(model, mtp=args.mtp, num_speculative_tokens=args.k, draft_vocab_size=size,
-                  graph_mode=args.graph_mode, max_batch_size=8, max_seq_len=768, show_progress=False)
+                  draft_dtype=args.draft_dtype, graph_mode=args.graph_mode, max_batch_size=8, max_seq_len=768,
+                  show_progress=False)
+        results["draft_dtype"] = str(llm.model.mtp[0].eh_proj.weight.dtype).removeprefix("torch.")
         label = str(size or config["draft_vocab_size"])
         rows = {}
         for domain, texts in prompts.items():

@@ -1,0 +1,66 @@
+"""Drafts with float16 weights: the MTP modules' matrices and the draft head stored at half the bytes.
+
+A decode step on CPU is bound by the bytes of weights it streams, and each draft depth streams its module and the
+draft head. Computation stays in the activations' dtype: compiled fp32 CPU passes multiply with the C++ kernel
+(half_weight_linear.cpp, which widens each weight vector as it loads it); eager, CUDA and a process without the
+kernel widen the weight in the graph. Lossless either way: the verify pass is untouched, and a draft's q is the
+distribution it was sampled from.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from . import decode_attention
+from .layers import MLP, Attention
+
+torch.library.define("compiled_spec_cpu::half_weight_linear", "(Tensor x, Tensor weight) -> Tensor")
+
+
+@torch.library.register_fake("compiled_spec_cpu::half_weight_linear")
+def _(x, weight):
+    return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+
+# The most rows the kernel takes (as half_weight_linear.cpp): a decode step's draft depth d runs over k + d rows per
+# sequence, times the batch.
+KERNEL_MAX_ROWS = 64
+
+
+def half_weight_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] @ weight [N, K].T (+ bias), weight float16.
+
+    A pass whose row count is not a fixed number up to KERNEL_MAX_ROWS (a prefill: its width is dynamic) widens the
+    weight in the graph. Under freezing that widened weight is a constant the package keeps, and the pass multiplies
+    with the GEMM template as over float32 weights: the kernel, and ATen over weights widened at every call, made
+    compiled prefills 8-19% slower."""
+    rows = x.numel() // x.shape[-1]
+    if (torch.compiler.is_compiling() and x.device.type == "cpu" and x.dtype == torch.float32
+            and isinstance(rows, int) and rows <= KERNEL_MAX_ROWS and decode_attention.loaded()):
+        out = torch.ops.compiled_spec_cpu.half_weight_linear(x, weight)
+        return out if bias is None else out + bias
+    return F.linear(x, weight.to(x.dtype), bias)
+
+
+class HalfWeightLinear(nn.Module):
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.weight = nn.Parameter(linear.weight.detach().to(torch.float16), requires_grad=False)
+        self.bias = linear.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return half_weight_linear(x, self.weight, self.bias)
+
+
+def store_drafts_in_half(model) -> None:
+    """The MTP modules' linear layers in float16: projection, attention and MLP (an MoE's router and stacked experts
+    keep their dtype). The sub-vocabulary draft head is made in float16 by use_draft_vocab; a model that drafts over
+    the whole vocabulary shares the verify pass's head, which stays as it is."""
+    for module in model.mtp:
+        parents = [module] + [part for part in module.modules() if isinstance(part, (Attention, MLP))]
+        for parent in parents:
+            for name, child in list(parent.named_children()):
+                if isinstance(child, nn.Linear):
+                    setattr(parent, name, HalfWeightLinear(child))
