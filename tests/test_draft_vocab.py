@@ -119,7 +119,11 @@ def test_full_graph_with_a_sub_vocabulary_decodes_as_eager(chat_model, draft_dty
     engine = dict(mtp=mtp, num_speculative_tokens=2, draft_vocab_size=48, max_seq_len=64, max_batch_size=2,
                   show_progress=False, draft_dtype=draft_dtype)
     eager = LLM(path, graph_mode="eager", **engine).generate(prompts, params)
-    full = LLM(path, graph_mode="full", batch_buckets=(2,), prefill_buckets=(64,), **engine).generate(prompts, params)
+    compiled = LLM(path, graph_mode="full", batch_buckets=(2,), prefill_buckets=(64,), **engine)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        full = compiled.generate(prompts, params)
+    kernel_calls = sum(event.name == "compiled_spec_cpu::half_weight_linear" for event in profile.events())
+    assert (kernel_calls > 0) == (draft_dtype == "float16"), kernel_calls
     assert [o.token_ids for o in full] == [o.token_ids for o in eager] == \
         [o.token_ids for o in plain.generate(prompts, params)]
     assert [o.stats.accepted_per_position for o in full] == [o.stats.accepted_per_position for o in eager]
