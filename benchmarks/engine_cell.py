@@ -75,6 +75,7 @@ def fixed_k_in_the_same_process(llm, prompt_ids: list, params, repeats: int) -> 
 
 def measure_engine(spec: dict) -> dict:
     from compiled_spec import LLM, HiSparseConfig, SamplingParams
+    from compiled_spec.model.half_weight_linear import draft_weight_dtype
     from compiled_spec.runtime.graph_modes import graphs_made
 
     mode, k, batch = spec["graph_mode"], spec["num_speculative_tokens"], spec["batch_size"]
@@ -167,13 +168,6 @@ def measure_engine(spec: dict) -> dict:
         "draft_weight_dtype": draft_weight_dtype(llm.model),
         **same_process,
     }
-
-
-def draft_weight_dtype(model) -> str | None:
-    """The dtype the first MTP module's matrices are stored in (None: no modules)."""
-    if not len(model.mtp):
-        return None
-    return str(model.mtp[0].eh_proj.weight.dtype).removeprefix("torch.")
 
 
 def scorer_in_use(model) -> str:

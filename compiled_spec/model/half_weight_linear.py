@@ -64,3 +64,8 @@ def store_drafts_in_half(model) -> None:
             for name, child in list(parent.named_children()):
                 if isinstance(child, nn.Linear):
                     setattr(parent, name, HalfWeightLinear(child))
+
+
+def draft_weight_dtype(model) -> str | None:
+    """The name of the dtype the MTP modules' matrices are stored in (None: no modules)."""
+    return str(model.mtp[0].eh_proj.weight.dtype).removeprefix("torch.") if len(model.mtp) else None

@@ -16,6 +16,7 @@ from pathlib import Path
 from ..api import LLM
 from ..chat import chat_prompt
 from ..checkpoint import MTP_CONFIG_NAME
+from ..model.half_weight_linear import draft_weight_dtype
 from ..params import SamplingParams
 from .evaluate import generate_with_stats
 from .mtp_corpus import DEF_LINE, chat_prompts, held_out_code_files, prose_texts
@@ -81,7 +82,7 @@ def main() -> None:
         llm = LLM(model, mtp=args.mtp, num_speculative_tokens=args.k, draft_vocab_size=size,
                   draft_dtype=args.draft_dtype, graph_mode=args.graph_mode, max_batch_size=8, max_seq_len=768,
                   show_progress=False)
-        results["draft_dtype"] = str(llm.model.mtp[0].eh_proj.weight.dtype).removeprefix("torch.")
+        results["draft_dtype"] = draft_weight_dtype(llm.model)
         label = str(size or config["draft_vocab_size"])
         rows = {}
         for domain, texts in prompts.items():
