@@ -1,4 +1,4 @@
-"""Memory read bandwidth, measured as a bench run starts, and the plain-decoding limit it implies.
+"""Memory read bandwidth, measured as a bench run starts and as it ends, and the plain-decoding limit it implies.
 
 Plain decoding reads every weight of the main model once per step, so at batch b it cannot beat
 b x bandwidth / weight bytes tokens per second; speculation emits several tokens per read.
@@ -43,6 +43,20 @@ def measure_in_subprocess(threads: int = 0) -> float | None:
             f"print(json.dumps(read_bandwidth_gb_s({threads})))")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     return json.loads(result.stdout) if result.returncode == 0 else None
+
+
+def limit_bandwidth(readings: dict[str, float | None]) -> float | None:
+    """The bandwidth the plain-decoding limit uses: the highest reading. A probe that shares the machine with other
+    work reads low (16.8 GB/s against 32 a minute later on a 2-core VM), and a low limit flatters every cell."""
+    found = [value for value in readings.values() if value]
+    return max(found) if found else None
+
+
+def plain_cells_over_limit(records: list[dict]) -> list[str]:
+    """Engine cells that decode plainly (k=0) yet beat the plain-decoding limit: the probe read below what plain
+    decoding reached, so the limit is not one for this run."""
+    return [r["name"] for r in records if r.get("status") == "ok" and r.get("kind") == "engine"
+            and r.get("num_speculative_tokens") == 0 and r.get("speedup_vs", {}).get("plain-limit", 0) > 1]
 
 
 def main_weight_bytes(model) -> int:

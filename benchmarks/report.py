@@ -126,6 +126,19 @@ def hisparse_text(hisparse: dict, records: list[dict]) -> str:
             + " (the anchors stay dense).")
 
 
+def bandwidth_text(env: dict) -> str:
+    readings = env.get("read_bandwidth_readings_gb_s")
+    if not readings:
+        return f"Memory read bandwidth at start: {number(env.get('read_bandwidth_gb_s'))} GB/s."
+    text = (f"Memory read bandwidth: {number(readings.get('start'))} GB/s at start, {number(readings.get('end'))} at "
+            f"end; '× plain limit' uses {number(env.get('read_bandwidth_gb_s'))}.")
+    over = env.get("plain_cells_over_limit")
+    if over:
+        text += (f" **The probe read low:** {', '.join(over)} decoded plainly faster than that limit, which no plain "
+                 "decoder can, so '× plain limit' overstates every cell of this run.")
+    return text
+
+
 def markdown(results: dict, plot_names: list[str] = ()) -> str:
     env, settings = results["environment"], results["settings"]
     anchors = [name for name in ANCHORS if any(r.get("anchor") == name for r in anchor_records(results))]
@@ -137,8 +150,7 @@ def markdown(results: dict, plot_names: list[str] = ()) -> str:
         f"{env['cpu']}, {env['usable_cpus']} usable CPUs, {env['memory_gib']} GiB; Python {env['python']}, "
         f"torch {env['torch']}, transformers {env['transformers']}, compiled-spec {env['compiled_spec']} "
         f"({env['git_commit']}); load average {env['load_average_at_start'][0]:.2f} at start, "
-        f"{env.get('load_average_at_end', [float('nan')])[0]:.2f} at end. Memory read bandwidth at start: "
-        f"{number(env.get('read_bandwidth_gb_s'))} GB/s.",
+        f"{env.get('load_average_at_end', [float('nan')])[0]:.2f} at end. " + bandwidth_text(env),
         "",
         f"{settings['prompts']} prompts ({min(settings['prompt_lengths'])}–{max(settings['prompt_lengths'])} tokens), "
         f"{settings['max_tokens']} new tokens each, {settings['sampling']}; max_seq_len {settings['max_seq_len']}, "

@@ -27,7 +27,7 @@ from tqdm.auto import tqdm
 from compiled_spec.gguf_checkpoint import is_gguf
 
 from . import environment, report
-from .bandwidth import measure_in_subprocess
+from .bandwidth import limit_bandwidth, measure_in_subprocess, plain_cells_over_limit
 from .anchors import ANCHORS, unavailable_reason
 from .workload import auto_max_seq_len, prompt_token_ids
 
@@ -196,7 +196,8 @@ def run_sweep(options: SweepOptions) -> dict:
     env = worker_env(options, cache_dir)
     results = {
         "command": shlex.join(options.command),
-        "environment": {**environment.describe(), "read_bandwidth_gb_s": measure_in_subprocess(options.threads)},
+        "environment": {**environment.describe(),
+                        "read_bandwidth_readings_gb_s": {"start": measure_in_subprocess(options.threads)}},
         "settings": {
             "model": str(options.model),
             "prompts": len(prompt_ids),
@@ -226,7 +227,11 @@ def run_sweep(options: SweepOptions) -> dict:
             shutil.rmtree(cache_dir, ignore_errors=True)
     results["records"] = [cell_record(spec, fastest_round(cell_rounds)) for spec, cell_rounds in zip(cells, rounds)]
     results["environment"]["load_average_at_end"] = list(os.getloadavg())
+    readings = results["environment"]["read_bandwidth_readings_gb_s"]
+    readings["end"] = measure_in_subprocess(options.threads)
+    results["environment"]["read_bandwidth_gb_s"] = limit_bandwidth(readings)
     compare(results["records"], results["environment"]["read_bandwidth_gb_s"])
+    results["environment"]["plain_cells_over_limit"] = plain_cells_over_limit(results["records"])
     write_outputs(results, options)
     return results
 

@@ -48,8 +48,12 @@ def test_bench_writes_json_markdown_and_plots(sweep):
     assert anchor["status"] == "ok" and anchor["tokens_per_s"] > 0 and anchor["num_speculative_tokens"] == 2
     (skipped,) = records(out, name="hf-mtp b=2")
     assert skipped["status"] == "unavailable" and "batch size 1" in skipped["reason"]
+    readings = results["environment"]["read_bandwidth_readings_gb_s"]
+    assert set(readings) == {"start", "end"} and all(value > 0 for value in readings.values())
+    assert results["environment"]["read_bandwidth_gb_s"] == max(readings.values())
+    assert results["environment"]["plain_cells_over_limit"] == []  # no cell here decodes plainly
     table = (out / "results.md").read_text()
-    assert "× plain limit" in table and "GB/s" in table
+    assert "× plain limit" in table and "GB/s at start" in table and "The probe read low" not in table
     assert "| eager | 2 | 1 |" in table and "| eager | 2 | 2 |" in table and "| hf-mtp | 1 |" in table
     assert table in result.output
     for name in ("tokens_per_s.png", "acceptance.png"):
@@ -171,3 +175,23 @@ def test_bench_on_a_gguf_file_runs_transformers_and_llama_cpp_anchors(tmp_path):
                 assert (tmp_path / "model.F32.gguf").stat().st_size > path.stat().st_size
     (batched,) = records(out, name="llama-cpp b=2")
     assert batched["status"] == "unavailable"
+
+
+def test_a_plain_cell_faster_than_the_plain_limit_says_the_probe_read_low(sweep):
+    from benchmarks.bandwidth import limit_bandwidth, plain_cells_over_limit
+    from benchmarks.report import bandwidth_text
+
+    _, out = sweep
+    environment = json.loads((out / "results.json").read_text())["environment"]
+    (speculative,) = records(out, name="eager k=2 b=1")
+    speculative = {**speculative, "speedup_vs": {**speculative["speedup_vs"], "plain-limit": 2.4}}
+    plain = {**speculative, "name": "eager k=0 b=1", "num_speculative_tokens": 0}
+    plain["speedup_vs"] = {**speculative["speedup_vs"], "plain-limit": 1.52}
+    slower = {**plain, "name": "eager k=0 b=2", "speedup_vs": {**plain["speedup_vs"], "plain-limit": 0.9}}
+    # Speculation may beat the limit; plain decoding beating it means the probe read low.
+    assert plain_cells_over_limit([speculative, plain, slower]) == ["eager k=0 b=1"]
+    assert limit_bandwidth({"start": 16.8, "end": 32.0}) == 32.0
+    assert limit_bandwidth({"start": None, "end": 31.5}) == 31.5 and limit_bandwidth({"start": None}) is None
+    text = bandwidth_text({**environment, "plain_cells_over_limit": ["eager k=0 b=1"]})
+    start = environment["read_bandwidth_readings_gb_s"]["start"]
+    assert f"{start:.1f} GB/s at start" in text and "The probe read low:** eager k=0 b=1" in text
