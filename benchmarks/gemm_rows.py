@@ -1,5 +1,5 @@
 """How fast full's frozen GEMMs stream their weights over 1 and k+1 rows: the C++ GEMM template (its micro-kernel as
-full compiles it, runtime/micro_gemm_kernel.py, and as torch ships it) against ATen.
+full compiles it with its entry, runtime/micro_gemm_kernel.py, and as torch ships them) against ATen.
 
     python -m benchmarks.gemm_rows [--rows 1,3] [--layers 30] [--threads 2] [--out DIR]
 
@@ -25,14 +25,15 @@ import torch
 from compiled_spec.config import GraphMode
 from compiled_spec.model.layers import MLP
 from compiled_spec.runtime.graph_modes import inductor_options
-from compiled_spec.runtime.micro_gemm_kernel import TEMPLATE_KERNEL_AS_SHIPPED, cpp_micro_gemm
+from compiled_spec.runtime.micro_gemm_kernel import (TEMPLATE_ENTRY_AS_SHIPPED, TEMPLATE_KERNEL_AS_SHIPPED,
+                                                    cpp_micro_gemm)
 
 from .bandwidth import read_bandwidth_gb_s
 
-# name -> (inductor options on top of full's, the template's micro-kernel source or None for full's own)
+# name -> (inductor options on top of full's, the template's micro-kernel and entry sources or None for full's own)
 BACKENDS = {
     "C++ GEMM template (full)": ({}, None),
-    "C++ GEMM template as torch ships it": ({}, TEMPLATE_KERNEL_AS_SHIPPED),
+    "C++ GEMM template as torch ships it": ({}, (TEMPLATE_KERNEL_AS_SHIPPED, TEMPLATE_ENTRY_AS_SHIPPED)),
     "ATen, plain weights": ({"max_autotune_gemm_backends": "ATEN", "cpp.weight_prepack": False}, None),
 }
 
@@ -81,7 +82,9 @@ def main() -> None:
             for backend, (options, micro_kernel) in BACKENDS.items():
                 start = time.perf_counter()
                 micro_gemm = cpp_micro_gemm.CppMicroGemmFP32Vec
-                with mock.patch.object(micro_gemm, "TEMPLATE_KERNEL", micro_kernel or micro_gemm.TEMPLATE_KERNEL):
+                kernel, entry = micro_kernel or (micro_gemm.TEMPLATE_KERNEL, micro_gemm.TEMPLATE_ENTRY)
+                with mock.patch.object(micro_gemm, "TEMPLATE_KERNEL", kernel), \
+                        mock.patch.object(micro_gemm, "TEMPLATE_ENTRY", entry):
                     path = torch._inductor.aoti_compile_and_package(
                         exported, package_path=f"{folder}/{len(records)}.pt2", inductor_configs={**base, **options})
                 compile_seconds = time.perf_counter() - start

@@ -21,7 +21,7 @@ from compiled_spec.config import GraphMode
 from compiled_spec.runtime import inductor_compile_time
 from compiled_spec.runtime.graph_modes import inductor_options, spec_backend
 from compiled_spec.runtime.inductor_compile_time import REALIZE_OPCOUNT_THRESHOLD
-from compiled_spec.runtime.micro_gemm_kernel import PREFETCH_DISTANCE
+from compiled_spec.runtime.micro_gemm_kernel import PREFETCH_DISTANCE, TEMPLATE_ENTRY_AS_SHIPPED, cpp_micro_gemm
 from compiled_spec.speculative import rng
 from passes import SpecPassManager
 from passes.manager import PassContext
@@ -135,6 +135,41 @@ def test_the_micro_gemm_holds_its_accumulators_raw_prefetches_over_several_rows_
     assert all(weights_in_registers in kernel for kernel in kernels)
     assert all("vc[idx] = at::vec::fmadd(va, vb[col], Vectorized(vc[idx]));" in kernel for kernel in kernels)
     torch.testing.assert_close(compiled_mlp.compiled, compiled_mlp.expected, rtol=1e-5, atol=1e-5)
+
+
+def test_over_a_few_row_blocks_the_micro_gemm_walks_k_in_chunks_and_sums_as_before(tmp_path):
+    """micro_gemm_kernel's entry: over 2-4 register blocks of rows (9 rows are 3 blocks of 4 on AVX2) each GEMM walks K
+    in chunks of PREFETCH_DISTANCE k-steps, every row block over each chunk. Its sums run in the order they did, so
+    the output is bitwise that of the entry as torch ships it (on AVX-512 the chunks are compiled out)."""
+    torch.manual_seed(0)
+    mlp = torch.nn.Sequential(torch.nn.Linear(128, 256, bias=False), torch.nn.Linear(256, 96, bias=False)).eval()
+    rows = torch.randn(9, 128)
+    # The FX graph cache does not tell the two entries apart.
+    options = {**inductor_options(GraphMode.FULL, torch.device("cpu")), "force_disable_caches": True}
+    entry = cpp_micro_gemm.CppMicroGemmFP32Vec.TEMPLATE_ENTRY
+    share = inductor_compile_time.share_micro_gemms
+    sources, outputs = {"chunked": "", "as shipped": ""}, {}
+
+    def recorded(code, name):
+        sources[name] += share(code)
+        return share(code)
+
+    with torch.no_grad():
+        exported = torch.export.export(mlp, (rows,))
+        for name, template in (("chunked", entry), ("as shipped", TEMPLATE_ENTRY_AS_SHIPPED)):
+            with pytest.MonkeyPatch.context() as patch:
+                patch.setattr(cpp_micro_gemm.CppMicroGemmFP32Vec, "TEMPLATE_ENTRY", template)
+                patch.setattr(inductor_compile_time, "share_micro_gemms", lambda code, name=name: recorded(code, name))
+                package = torch._inductor.aoti_compile_and_package(
+                    exported, package_path=str(tmp_path / f"{len(outputs)}.pt2"), inductor_configs=options)
+            outputs[name] = torch._inductor.aoti_load_package(package)(rows)
+        expected = mlp(rows)
+    chunks = (f"    const int64_t k_step = M > 4 && M <= 4 * 4 ? {PREFETCH_DISTANCE} : K;" if
+              isinstance(cpu_vec_isa.pick_vec_isa(), cpu_vec_isa.VecAVX2) else f"? {PREFETCH_DISTANCE} : K;")
+    assert chunks in sources["chunked"] and "for (int64_t k0 = 0; k0 < K; k0 += k_step)" in sources["chunked"]
+    assert "k_step" not in sources["as shipped"]
+    assert torch.equal(outputs["chunked"], outputs["as shipped"])
+    torch.testing.assert_close(outputs["chunked"], expected, rtol=1e-5, atol=1e-5)
 
 
 def test_on_avx2_every_fma_of_the_compiled_gemms_takes_its_weights_from_a_register(compiled_mlp, tmp_path):
