@@ -151,8 +151,9 @@ def test_over_a_few_row_blocks_the_micro_gemm_walks_k_in_chunks_and_sums_as_befo
     sources, outputs = {"chunked": "", "as shipped": ""}, {}
 
     def recorded(code, name):
-        sources[name] += share(code)
-        return share(code)
+        shared = share(code)
+        sources[name] += shared
+        return shared
 
     with torch.no_grad():
         exported = torch.export.export(mlp, (rows,))
