@@ -2,6 +2,7 @@
 // Built and loaded by decode_attention.py; registers compiled_spec_cpu::decode_attention.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
 #include <torch/library.h>
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import re
 import time
 import warnings
 from pathlib import Path
@@ -41,6 +42,12 @@ def _ninja_runs() -> bool:
     return cpp_extension.is_ninja_available()
 
 
+def _isa_name(isa) -> str:
+    """The ISA as an extension name can hold it: torch names AVX-512 with AMX "avx512 avx512_vnni amx_tile", and
+    spaces would split the compiler's command line."""
+    return re.sub(r"[^A-Za-z0-9_]+", "_", str(isa)).strip("_") or "default"
+
+
 @functools.cache
 def load() -> bool:
     """Builds the kernels for this CPU's vector ISA (the first time on a machine, in about 16 s on a 2-core VM;
@@ -60,7 +67,7 @@ def load() -> bool:
     _tried = True
     try:
         cpp_extension.load(
-            name=f"compiled_spec_cpu_kernels_{isa or 'default'}", sources=[str(source) for source in SOURCES],
+            name=f"compiled_spec_cpu_kernels_{_isa_name(isa)}", sources=[str(source) for source in SOURCES],
             extra_cflags=flags, extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False,
         )
     except Exception as error:  # a machine without a C++ compiler or ninja still decodes, only slower
