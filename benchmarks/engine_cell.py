@@ -75,6 +75,7 @@ def fixed_k_in_the_same_process(llm, prompt_ids: list, params, repeats: int) -> 
 
 def measure_engine(spec: dict) -> dict:
     from compiled_spec import LLM, HiSparseConfig, SamplingParams
+    from compiled_spec.model import decode_attention
     from compiled_spec.model.half_weight_linear import draft_weight_dtype
     from compiled_spec.runtime.graph_modes import graphs_made
 
@@ -166,6 +167,7 @@ def measure_engine(spec: dict) -> dict:
         "main_weight_bytes": main_weight_bytes(llm.model),
         "draft_vocab_size": None if llm.model.draft_vocab is None else llm.model.draft_vocab.numel(),
         "draft_weight_dtype": draft_weight_dtype(llm.model),
+        "cpu_kernels": decode_attention.status(),  # "built", "not built: <why>", or "not needed" (eager)
         **same_process,
     }
 

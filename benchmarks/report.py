@@ -139,6 +139,13 @@ def bandwidth_text(env: dict) -> str:
     return text
 
 
+def kernels_text(records: list[dict]) -> str:
+    """What the compiled cells' CPU kernels were: built, or not (and why), since the fallbacks are slower."""
+    states = sorted({record["cpu_kernels"] for record in records if record.get("cpu_kernels", "not needed")
+                     != "not needed"})
+    return f" CPU kernels: {'; '.join(states)}." if states else ""
+
+
 def markdown(results: dict, plot_names: list[str] = ()) -> str:
     env, settings = results["environment"], results["settings"]
     anchors = [name for name in ANCHORS if any(r.get("anchor") == name for r in anchor_records(results))]
@@ -150,7 +157,8 @@ def markdown(results: dict, plot_names: list[str] = ()) -> str:
         f"{env['cpu']}, {env['usable_cpus']} usable CPUs, {env['memory_gib']} GiB; Python {env['python']}, "
         f"torch {env['torch']}, transformers {env['transformers']}, compiled-spec {env['compiled_spec']} "
         f"({env['git_commit']}); load average {env['load_average_at_start'][0]:.2f} at start, "
-        f"{env.get('load_average_at_end', [float('nan')])[0]:.2f} at end. " + bandwidth_text(env),
+        f"{env.get('load_average_at_end', [float('nan')])[0]:.2f} at end. " + bandwidth_text(env)
+        + kernels_text(engine_records(results)),
         "",
         f"{settings['prompts']} prompts ({min(settings['prompt_lengths'])}–{max(settings['prompt_lengths'])} tokens), "
         f"{settings['max_tokens']} new tokens each, {settings['sampling']}; max_seq_len {settings['max_seq_len']}, "

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from typing import Callable
 
+from .model import decode_attention
 from .params import RequestOutput, SpecStats
 from .text_stream import TextStream
 
@@ -121,6 +122,8 @@ class Summary:
                 parts.append(f"chosen: {num_drafts_used(self.stats)}")
             parts.append(f"mean accepted length {self.stats.mean_accepted_length:.2f} tokens/step "
                          f"over {self.stats.steps} steps")
+        if (kernels := decode_attention.status()).startswith("not built"):
+            parts.append(f"CPU kernels {kernels} (slower fallbacks)")
         if self.errors:
             parts.append(f"{self.errors} of {self.requests} prompts failed")
         return "stats: " + " | ".join(parts)
@@ -135,6 +138,7 @@ class Summary:
             "graph_mode": self.graph_mode,
             "num_speculative_tokens": self.num_speculative_tokens,
             "stats": stats_record(self.stats),
+            "cpu_kernels": decode_attention.status(),
         }
 
 

@@ -80,6 +80,7 @@ def test_json_has_one_record_per_prompt_and_the_aggregate(ids_model):
     assert total["requests"] == 2 and total["errors"] == 0 and total["generated_tokens"] == 12
     assert total["stats"]["steps"] == sum(r["stats"]["steps"] for r in records)
     assert total["tokens_per_s"] > 0 and total["graph_mode"] == "eager"
+    assert total["cpu_kernels"] in ("built", "not needed")  # eager needs none; "not built: <why>" would say why
 
 
 def test_several_prompts_print_a_header_each(ids_model):
@@ -179,11 +180,40 @@ def test_console_script_is_installed():
     assert "generate" in result.stdout
 
 
-def test_ci_runs_the_readme_commands():
+def ci_script_without_install(tmp_path: Path, readme: str) -> Path:
+    """.ci/run in a folder of its own with this README, its pip install left out."""
+    (tmp_path / "README.md").write_text(readme)
+    (tmp_path / ".ci").mkdir()
+    script = (REPO / ".ci" / "run").read_text()
+    assert "pip install torch==2.13.0 -e '.[test]'" in script
+    (tmp_path / ".ci" / "run").write_text(script.replace("pip install torch==2.13.0 -e '.[test]'", "true"))
+    return tmp_path / ".ci" / "run"
+
+
+def test_ci_runs_the_readme_commands(tmp_path):
     readme = (REPO / "README.md").read_text()
-    ci = (REPO / ".ci" / "run").read_text()
     install, test = re.findall(r"```bash\n(.*?)\n```", readme, re.S)[0].splitlines()
     assert install.startswith("pip install torch==2.13.0 -e '.[test]'")
-    assert "pip install torch==2.13.0 -e '.[test]'" in ci
-    assert test in ci.splitlines() or f"{test} || status=$?" in ci
     assert os.access(REPO / ".ci" / "run", os.X_OK)
+    script = ci_script_without_install(tmp_path, readme.replace(test, "echo ran:$TORCHINDUCTOR_CACHE_DIR"))
+    result = subprocess.run(["bash", str(script)], capture_output=True, text=True)
+    assert result.returncode == 0 and result.stdout.splitlines()[-1].startswith("ran:/tmp/compiled-spec-inductor."), result  # a fresh cache
+    assert f"+ {test}" in subprocess.run(  # the command CI runs is the README's, as written
+        ["bash", str(ci_script_without_install(tmp_path / "real", readme))], capture_output=True, text=True,
+        env={**os.environ, "PATH": f"{fake_python(tmp_path)}:{os.environ['PATH']}"}).stdout
+
+
+def fake_python(tmp_path: Path) -> Path:
+    """A folder whose `python` exits at once, so the README's test command runs without running the suite."""
+    folder = tmp_path / "bin"
+    folder.mkdir()
+    (folder / "python").write_text("#!/bin/sh\nexit 0\n")
+    (folder / "python").chmod(0o755)
+    return folder
+
+
+def test_ci_fails_when_no_test_is_collected(tmp_path):
+    """pytest exits 5 when a selection collects nothing: CI must fail then, not pass."""
+    script = ci_script_without_install(tmp_path, "```bash\npip install torch==2.13.0 -e '.[test]'\nexit 5\n```\n")
+    result = subprocess.run(["bash", str(script)], capture_output=True, text=True)
+    assert result.returncode == 5 and "no tests collected" in result.stderr

@@ -107,8 +107,12 @@ def test_a_first_start_answers_in_eager_while_full_compiles_in_the_background_th
     assert compiled == [] and len(loaded) == len(later.engine.warm_up_graphs())
 
 
-def test_a_failed_background_compile_warns_once_and_the_engine_keeps_serving_in_eager(
-        tiny_checkpoint, tmp_path, monkeypatch, caplog):
+@pytest.mark.parametrize("fault", ["model gone", "other packages"])
+def test_a_failed_background_compile_warns_once_the_engine_keeps_serving_in_eager_and_no_later_start_retries_it(
+        tiny_checkpoint, tmp_path, monkeypatch, caplog, fault):
+    """The child fails to build the engine (its model is gone), or builds one that names other packages than the
+    parent (as when the CPU kernels built in one process and not the other): either way one warning, eager serving,
+    and a later start with the same packages decodes in eager at once instead of starting the same doomed child."""
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
     path = tiny_checkpoint("predictive").path
     options = dict(num_speculative_tokens=1, max_batch_size=2, max_seq_len=24, batch_buckets=(2,), prefill_buckets=(24,))
@@ -116,7 +120,10 @@ def test_a_failed_background_compile_warns_once_and_the_engine_keeps_serving_in_
     reference = decode(LLM(path, graph_mode="eager", **options), prompts)
     llm = LLM(path, graph_mode="full", background_compile=True, compile_workers=2, show_progress=False, warm_up=False,
               **options)
-    llm.engine.llm_arguments["model"] = str(tmp_path / "gone")  # neither compile process can load the model
+    if fault == "model gone":
+        llm.engine.llm_arguments["model"] = str(tmp_path / "gone")  # neither compile process can load the model
+    else:
+        llm.engine.llm_arguments["max_seq_len"] = 32  # the child's engine keys its packages differently
     llm.engine.warm_up(show_progress=False)
     with caplog.at_level(logging.WARNING):
         assert llm.engine.poll_background(wait=True, timeout=300) == "failed"
@@ -124,5 +131,16 @@ def test_a_failed_background_compile_warns_once_and_the_engine_keeps_serving_in_
         assert decode(llm, prompts) == reference
     warnings = [record for record in caplog.records if record.levelno >= logging.WARNING]
     assert len(warnings) == 1 and "compiling the full graphs failed" in warnings[0].getMessage()
-    assert "gone" in warnings[0].getMessage()  # the child's own error, from its log
+    why = "gone" if fault == "model gone" else "differs from the one the engine expects"
+    assert why in warnings[0].getMessage()  # the child's own error, from its log
     assert llm.engine.runner.mode == GraphMode.EAGER and llm.engine.background is None
+
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        later = LLM(path, graph_mode="full", background_compile=True, compile_workers=2, show_progress=False,
+                    **options)
+        assert later.engine.background is None  # no child started: nothing competes with decoding for the cores
+        assert later.engine.runner.mode == GraphMode.EAGER
+        assert decode(later, prompts) == reference
+    warnings = [record.getMessage() for record in caplog.records if record.levelno >= logging.WARNING]
+    assert len(warnings) == 1 and "failed to compile in an earlier run" in warnings[0] and why in warnings[0]

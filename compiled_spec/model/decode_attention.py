@@ -9,8 +9,11 @@ kv head. torch.ops.compiled_spec_cpu.decode_attention exists once load() has ret
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
+import os
 import re
+import shutil
 import time
 import warnings
 from pathlib import Path
@@ -21,7 +24,7 @@ SOURCES = [Path(__file__).with_suffix(".cpp"), Path(__file__).with_name("half_we
 log = logging.getLogger(__name__)
 
 _loaded = False
-_tried = False
+_failure: str | None = None  # why the kernels did not build here
 
 
 def loaded() -> bool:
@@ -29,17 +32,11 @@ def loaded() -> bool:
     return _loaded
 
 
-def expected() -> bool:
-    """Whether graphs compiled in this process attend with the kernel: load()'s result once it has run. Before that
-    (a tiered start names its packages before it builds the kernel), whether it can be built: ninja runs."""
-    return _loaded if _tried else _ninja_runs()
-
-
-@functools.cache
-def _ninja_runs() -> bool:
-    from torch.utils import cpp_extension
-
-    return cpp_extension.is_ninja_available()
+def status() -> str:
+    """What a run records of the kernels: "built", "not built: <why>", or "not needed" (load() never ran: eager, CUDA)."""
+    if _loaded:
+        return "built"
+    return "not needed" if _failure is None else f"not built: {_failure}"
 
 
 def _isa_name(isa) -> str:
@@ -48,35 +45,62 @@ def _isa_name(isa) -> str:
     return re.sub(r"[^A-Za-z0-9_]+", "_", str(isa)).strip("_") or "default"
 
 
+def build_flags(isa) -> list[str]:
+    """The compiler flags for `isa` (an inductor VecISA): its architecture flags and CPU_CAPABILITY macro."""
+    return ["-O3", "-DNDEBUG", "-fopenmp", *isa.build_arch_flags().split(), *(f"-D{m}" for m in isa.build_macro())]
+
+
+def _failure_marker(name: str, flags: list[str]) -> Path:
+    """Where a failed build of these sources with these flags is remembered, so later processes do not retry it
+    (a compile error costs seconds of both cores each time). New sources, flags or torch: another marker."""
+    from torch.utils import cpp_extension
+
+    digest = hashlib.sha256("\0".join([torch.__version__, *flags, *(s.read_text() for s in SOURCES)]).encode())
+    return Path(cpp_extension._get_build_directory(name, False)) / f"failed-{digest.hexdigest()[:16]}.txt"
+
+
 @functools.cache
 def load() -> bool:
-    """Builds the kernels for this CPU's vector ISA (the first time on a machine, in about 16 s on a 2-core VM;
+    """Builds the kernels for this CPU's vector ISA (the first time on a machine, in about 10-16 s on 2 cores;
     later processes load the built library) and registers them. Where they cannot be built, warns once and returns
     False: compiled CPU passes then attend with grouped_attention and SDPA, and float16 draft weights are widened
-    to the activations' dtype in the graph."""
-    global _loaded, _tried
+    to the activations' dtype in the graph. Package names say which (runtime/packaged.py calls this before it
+    names one), so every process on a machine names the same packages."""
+    global _loaded, _failure
     from torch._inductor import cpu_vec_isa
     from torch.utils import cpp_extension
 
     from . import half_weight_linear  # noqa: F401  defines the op the build registers
 
     isa = cpu_vec_isa.pick_vec_isa()
-    flags = ["-O3", "-DNDEBUG", "-fopenmp", *isa.build_arch_flags().split()]
-    flags += [f"-D{macro}" for macro in isa.build_macro()]
+    name, flags = f"compiled_spec_cpu_kernels_{_isa_name(isa)}", build_flags(isa)
     start = time.perf_counter()
-    _tried = True
     try:
-        cpp_extension.load(
-            name=f"compiled_spec_cpu_kernels_{_isa_name(isa)}", sources=[str(source) for source in SOURCES],
-            extra_cflags=flags, extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False,
-        )
+        marker = _failure_marker(name, flags)
+        if marker.exists():
+            raise RuntimeError(f"{marker.read_text().strip()} (an earlier build; remove {marker} to try again)")
+        try:
+            cpp_extension.load(name=name, sources=[str(source) for source in SOURCES], extra_cflags=flags,
+                               extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
+        except Exception as error:
+            if cpp_extension.is_ninja_available() and shutil.which(os.environ.get("CXX", "c++")):
+                marker.write_text(_first_error(str(error)))  # a compile error, not a missing tool: remember it
+            raise
     except Exception as error:  # a machine without a C++ compiler or ninja still decodes, only slower
-        warnings.warn(f"compiled-spec: could not build the CPU kernels ({error}); compiled CPU passes "
+        _failure = _first_error(str(error))
+        warnings.warn(f"compiled-spec: could not build the CPU kernels ({_failure}); compiled CPU passes "
                       "attend with grouped_attention and SDPA instead", stacklevel=2)
         return False
     log.info("CPU kernels ready in %.1f s", time.perf_counter() - start)
     _loaded = True
     return True
+
+
+def _first_error(text: str) -> str:
+    """The compiler's first error line, where the text has one (a build log runs to hundreds of lines)."""
+    lines = text.strip().splitlines()
+    errors = [line.strip() for line in lines if "error:" in line]
+    return (errors[0] if errors else lines[0] if lines else "unknown error")[:300]
 
 
 torch.library.define(

@@ -57,10 +57,10 @@ class BackgroundCompile:
                  workers: int = 1, niceness: int = 10,
                  description: str = "compiling full graphs in the background (decoding in eager meanwhile)"):
         self.graphs, self.paths = graphs, paths
-        name = hashlib.sha256("\0".join(sorted(path.name for path in paths)).encode()).hexdigest()[:16]
+        self.failed_file = failed_file(paths)
         folder = paths[0].parent
         folder.mkdir(parents=True, exist_ok=True)
-        self.pid_file, self.log = folder / f"compile-{name}.pid", folder / f"compile-{name}.log"
+        self.pid_file, self.log = self.failed_file.with_suffix(".pid"), self.failed_file.with_suffix(".log")
         self.started = time.perf_counter()
         self.process: subprocess.Popen | None = None
         self.pid = running_compile(self.pid_file)
@@ -102,7 +102,10 @@ class BackgroundCompile:
             ended = self.process.poll() is not None
         else:
             ended = not process_alive(self.pid)
-        return "failed" if ended and self.ready_count() < len(self.paths) else "running"
+        if ended and self.ready_count() < len(self.paths):
+            self.failed_file.write_text(self.failure() + "\n")  # later starts with the same packages do not retry
+            return "failed"
+        return "running"
 
     def wait(self, timeout: float | None = None, interval: float = 0.5) -> str:
         """Polls until the compile is ready or failed (or `timeout` seconds pass); returns poll()'s answer."""
@@ -134,6 +137,21 @@ class BackgroundCompile:
             self.process.wait()
         self.bar.close()
         atexit.unregister(self._say_still_running)
+
+
+def failed_file(paths: list[Path]) -> Path:
+    """Where a failed compile of these packages is remembered. Their names hold the package key (code, torch,
+    options, whether the CPU kernels built), so a change to any of those is a new name and a new try."""
+    name = hashlib.sha256("\0".join(sorted(path.name for path in paths)).encode()).hexdigest()[:16]
+    return paths[0].parent / f"compile-{name}.failed"
+
+
+def earlier_failure(paths: list[Path]) -> str | None:
+    """Why an earlier compile of these packages failed, if one did."""
+    try:
+        return failed_file(paths).read_text().strip() or "no output"
+    except OSError:
+        return None
 
 
 def running_compile(pid_file: Path) -> int | None:

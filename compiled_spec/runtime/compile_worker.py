@@ -40,9 +40,6 @@ def compile_one(graph: tuple, expected: str) -> str:
     """Compiles one graph unless its package exists; returns what the log says of it."""
     if _build_error is not None:
         raise _build_error
-    from compiled_spec.model import decode_attention
-
-    decode_attention.load()  # before naming the package: its name says whether the kernel built here
     path = _llm.engine.runner.package_path(*graph)
     if str(path) != expected:
         raise PackageMismatch(f"package {path.name} differs from the one the engine expects ({Path(expected).name}): "

@@ -25,7 +25,7 @@ from ..model.rope import rotary_tables
 from ..params import RequestOutput, SamplingParams, SpecStats
 from ..speculative.state import DecodeState, move_slot
 from ..speculative.step import StepConstants
-from .background_compile import BackgroundCompile, compile_worker_count
+from .background_compile import BackgroundCompile, compile_worker_count, earlier_failure, failed_file
 from .buckets import (
     checked_buckets, compiled_prefill_limit, default_batch_buckets, default_prefill_buckets, pick_bucket,
 )
@@ -148,7 +148,12 @@ class Engine:
             graphs = self.warm_up_graphs()
             paths = [self.runner.package_path(*graph) for graph in graphs]  # None where nothing is packaged
             if self.tiered_start and not all(path and path.exists() for path in paths):
-                self._start_in_eager(graphs, paths, show_progress)
+                if (failure := earlier_failure(paths)) is None:
+                    self._start_in_eager(graphs, paths, show_progress)
+                else:  # the same packages failed before: decode in eager, and say so once
+                    self.runner = self._eager_runner()
+                    log.warning("compiled-spec: the full graphs failed to compile in an earlier run (%s); decoding "
+                                "in eager. Remove %s to try again", failure, failed_file(paths))
             else:
                 self._compile_in_processes(graphs, paths, show_progress)
                 self._compile_graphs(show_progress)
@@ -202,8 +207,7 @@ class Engine:
         """graphs (and their package paths): all of them (the child skips those whose package exists), so that every
         process that starts while some are still missing names the same compile and follows it."""
         self._full_runner = self.runner
-        self.runner = StepRunner(self.model, self.state, self.constants, GraphMode.EAGER,
-                                 draft_lengths=self.runner.draft_lengths)
+        self.runner = self._eager_runner()
         missing = sum(not path.exists() for path in paths)
         self.background = BackgroundCompile(self.llm_arguments, graphs, paths, show_progress,
                                             workers=compile_worker_count(self.compile_workers, missing))
@@ -212,6 +216,10 @@ class Engine:
         # (on 2 cores eager made 3.7 tokens/s on two threads, 106.5 on one). The packages use the count they had.
         self._threads = torch.get_num_threads()
         torch.set_num_threads(1)
+
+    def _eager_runner(self) -> StepRunner:
+        return StepRunner(self.model, self.state, self.constants, GraphMode.EAGER,
+                          draft_lengths=self.runner.draft_lengths)
 
     def poll_background(self, wait: bool = False, timeout: float | None = None) -> str | None:
         """Between steps: switches to the full graphs once the background compile has made them all. Returns

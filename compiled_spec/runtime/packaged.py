@@ -126,16 +126,13 @@ class AheadOfTimeCompiled:
         """Where the package for a call with these arguments is (or will be) kept."""
         bucket = self.bucket(args)
         options = self.options
-        if state.seq_lens.device.type == "cpu":  # compiled attention calls the kernel where it is built
-            options = {**options, "decode_attention": decode_attention.expected()}
+        if state.seq_lens.device.type == "cpu":  # compiled attention calls the kernels where they build: build them
+            options = {**options, "decode_attention": decode_attention.load()}  # before naming (parent and child agree)
         key = package_key(self.function, self.manager.uuid(), options, self.model_key, state, args, bucket)
         shape = "-".join(str(size) for size in torch.utils._pytree.tree_leaves(bucket))
         return self.folder / f"{self.function.__name__}-{shape}-{key[:24]}.pt2"
 
     def _package(self, model, state, constants, args):
-        # Here rather than when the engine starts: a tiered start decodes in eager before it needs the kernel, and its
-        # compile processes build it meanwhile. Where the build fails, the path names a package without it.
-        decode_attention.load()
         path = self.package_path(state, args)
         if path.exists():
             self.loaded.append(path.name)

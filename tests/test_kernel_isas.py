@@ -1,0 +1,70 @@
+"""The CPU kernels compile for every x86 vector ISA inductor picks (AVX2, AVX-512, AVX-512 with AMX), whatever ISA
+this machine has: compile only (-fsyntax-only), with the flags the real build uses, so a machine of one ISA catches a
+build break on the others."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+
+import pytest
+from torch._inductor import cpu_vec_isa
+from torch.utils import cpp_extension
+
+from compiled_spec.model import decode_attention
+
+
+@pytest.mark.parametrize("isa", [cpu_vec_isa.VecAVX2, cpu_vec_isa.VecAVX512, cpu_vec_isa.VecAMX],
+                         ids=lambda isa: isa.__name__)
+def test_the_cpu_kernels_compile_with_each_isas_flags(isa):
+    compiler = shutil.which("c++")
+    assert compiler, "a C++ compiler is needed to build the CPU kernels"
+    includes = [*cpp_extension.include_paths(), sysconfig.get_paths()["include"]]
+    for source in decode_attention.SOURCES:
+        command = [compiler, "-fsyntax-only", "-std=c++20", "-fPIC", *decode_attention.build_flags(isa()),
+                   *(f"-I{path}" for path in includes), "-DTORCH_EXTENSION_NAME=isa_check",
+                   "-DTORCH_API_INCLUDE_EXTENSION_H", str(source)]
+        result = subprocess.run(command, capture_output=True, text=True)
+        assert result.returncode == 0, f"{source.name} with {isa.__name__}'s flags:\n{result.stderr[-3000:]}"
+
+
+def test_the_extension_name_holds_no_spaces_whatever_the_isa():
+    for isa in (cpu_vec_isa.VecAVX2(), cpu_vec_isa.VecAVX512(), cpu_vec_isa.VecAMX()):
+        name = decode_attention._isa_name(isa)
+        assert name.replace("_", "").isalnum(), (str(isa), name)
+    assert decode_attention._isa_name(cpu_vec_isa.VecAMX()) == "avx512_avx512_vnni_amx_tile"
+
+
+BROKEN_BUILD = """
+import sys
+from pathlib import Path
+from compiled_spec.model import decode_attention
+decode_attention.SOURCES = [Path(sys.argv[1])]
+assert not decode_attention.load()
+print(decode_attention.status())
+"""
+
+
+def test_a_failed_kernel_build_is_remembered_and_not_retried_until_the_sources_change(tmp_path):
+    source = tmp_path / "broken.cpp"
+    source.write_text("int broken( {\n")
+    environment = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path / "extensions")}
+
+    def build() -> str:
+        result = subprocess.run([sys.executable, "-c", BROKEN_BUILD, str(source)], capture_output=True, text=True,
+                                env=environment, timeout=300)
+        assert result.returncode == 0, result.stderr
+        return result.stdout.strip()
+
+    first = build()
+    assert first.startswith("not built: ") and "broken.cpp:1" in first and "error:" in first and "earlier build" not in first
+    assert "could not build the CPU kernels" in subprocess.run(
+        [sys.executable, "-W", "always", "-c", BROKEN_BUILD, str(source)], capture_output=True, text=True,
+        env=environment).stderr  # the user is told, on stderr
+    second = build()
+    assert "an earlier build" in second and first.removeprefix("not built: ") in second  # ninja never ran again
+    source.write_text("int broken( { /* edited */\n")
+    assert "earlier build" not in build()  # new sources: a new try
