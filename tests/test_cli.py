@@ -182,6 +182,7 @@ def test_console_script_is_installed():
 
 def ci_script_without_install(tmp_path: Path, readme: str) -> Path:
     """.ci/run in a folder of its own with this README, its pip install left out."""
+    tmp_path.mkdir(exist_ok=True)
     (tmp_path / "README.md").write_text(readme)
     (tmp_path / ".ci").mkdir()
     script = (REPO / ".ci" / "run").read_text()
