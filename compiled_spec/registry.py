@@ -32,7 +32,7 @@ class NamedModel:
     file_inside: str  # the GGUF file's path inside the wheel
     license: str
     description: str
-    # k when none is asked for and the shipped MTP modules draft: the fastest k in the benchmark (README).
+    # k when none is asked for and the shipped MTP modules draft: the fastest k in the benchmark (docs/choosing-k.md).
     num_speculative_tokens: int = 3
     # The draft vocabulary when none is asked for, with the shipped modules (None: the size they were trained with).
     draft_vocab_size: int | None = None
@@ -55,7 +55,8 @@ MODELS = {
         description="SmolLM2-135M-Instruct (HuggingFaceTB), Llama, 30 layers, d576, GGUF Q4_1, 98 MB",
         num_speculative_tokens=3,
         # Trained with 16384. With 8192 the head (18.9 MB) fits a 32 MB L3: k=3 made 56.7 tokens/s against 46.7 on
-        # such a VM, and accepted within 0.8 points of the full head at position 1 in every domain (README).
+        # such a VM, and accepted within 0.8 points of the full head at position 1 in every domain
+        # (docs/cpu-performance.md).
         draft_vocab_size=8192,
         draft_dtype="float16",
     ),

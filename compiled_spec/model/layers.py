@@ -77,7 +77,8 @@ def attend_with_cache(
 # the C++ kernel (decode_attention) once it is built; longer ones, eager and CUDA with SDPA.
 DECODE_ATTENTION_MAX_ROWS = 9
 # Without the kernel, compiled CPU passes of at most this many rows per sequence attend with grouped_attention; SDPA's
-# CPU kernel was faster from about 4-6 rows on (README). Not measured on CUDA.
+# CPU kernel was faster from about 4-6 rows on (docs/cpu-performance.md, "Attention in compiled decode passes"). Not
+# measured on CUDA.
 COMPILED_ATTENTION_MAX_ROWS = 3
 
 
@@ -86,7 +87,7 @@ def grouped_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     products and sums, which inductor compiles into loops over the cache without copying it per query head.
 
     In eager this materializes a [B, T, S, heads, D] product; compiled, it replaced SDPA's CPU kernel for a few
-    query rows, which spent about 6x the time of reading the cache (README "Attention in compiled decode passes").
+    query rows, which spent about 6x the time of reading the cache (docs/cpu-performance.md).
     """
     batch, length, heads, dim = q.shape
     kv_heads = keys.shape[2]

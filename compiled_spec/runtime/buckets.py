@@ -16,7 +16,7 @@ def default_batch_buckets(max_batch_size: int) -> tuple[int, ...]:
 # On CPU, in compile and piecewise, a prompt longer than this prefills in eager at its own length instead of in a
 # compiled bucket, so start-up compiles 3 prefill graphs instead of 6 at the default max_seq_len. Prefill that long
 # is GEMM-bound: on SmolLM2-135M eager at the exact length took 0.80-1.47x (about 1.15x) the time of `full` padded
-# to its power-of-two bucket then. The small default model pays more (README "Prefill on CPU").
+# to its power-of-two bucket then. The small default model pays more (docs/cpu-performance.md, "Prefill").
 CPU_COMPILED_PREFILL_LIMIT = 64
 # full on CPU compiles one prefill package for every prompt width up to its largest bucket, so a higher limit costs
 # that package a wider range, not more graphs. Since its GEMMs keep their accumulators in registers

@@ -57,7 +57,7 @@ build_objects_at_once()
 # padded to it.
 PACKAGED_PREFILL_MIN_WIDTH = max(DECODE_ATTENTION_MAX_ROWS, COMPILED_ATTENTION_MAX_ROWS) + 1
 # The one step package of full on CPU takes every batch from 1 up to the largest batch bucket. A package of batch 1's
-# own stepped 1-4% faster at batch 1, but was a third graph for the default buckets' cold start (README, Start-up).
+# own stepped 1-4% faster at batch 1, but was a third graph for the default buckets' cold start (docs/graph-modes.md).
 PACKAGED_STEP_MIN_BATCH = 1
 # Below this largest batch the batch buckets keep static packages: a range of 2 sizes does not pay for the dynamic
 # batch's longer compile (its traces carry the batch as a symbol).
@@ -66,7 +66,7 @@ PACKAGED_STEP_MIN_LARGEST_BATCH = 3
 # full on CPU compiles every GEMM with the C++ GEMM template, whose micro-kernel keeps its accumulators (and on AVX2
 # its weight vectors) in registers and prefetches the weights over several rows (micro_gemm_kernel): a step that
 # verifies k+1 rows then streams them about as fast as a one-row step does. Without that, ATen's GEMMs were faster
-# for an engine that drafts ("GEMMs of an engine that drafts, on CPU", README).
+# for an engine that drafts (docs/cpu-performance.md, "GEMMs").
 MICRO_GEMM_CHANGED = use_changed_micro_gemm()
 
 

@@ -39,7 +39,8 @@ import torch._inductor.compile_fx  # noqa: F401  first: cpp_micro_gemm imported 
 from torch._inductor.codegen import cpp_micro_gemm
 
 # k-steps ahead: 32 x 48 floats, 6 KB of the packed block. On AVX-512 16 streamed about 5% slower, 64 about 12%
-# slower; on an AVX2 Zen 3 VM no distance or hint ranked above another over repeats (README).
+# slower; on an AVX2 Zen 3 VM no distance or hint ranked above another over repeats
+# (docs/cpu-performance.md).
 PREFETCH_DISTANCE = 32
 # Row blocks (block_m rows each) up to which the entry walks K in chunks: decode passes, bound by their bytes.
 SPLIT_MAX_ROW_BLOCKS = 4
