@@ -30,6 +30,7 @@ Graph = tuple[str, int, "int | None"]  # (kind, size, k) as Engine.warm_up_graph
 
 
 WORKERS_VARIABLE = "COMPILED_SPEC_COMPILE_WORKERS"
+WORKER_MODULE = "compiled_spec.runtime.compile_worker"
 
 
 def compile_worker_count(requested: int | None, graphs: int) -> int:
@@ -69,7 +70,7 @@ class BackgroundCompile:
                        niceness=niceness, threads=torch.get_num_threads(), pid_file=str(self.pid_file))
             with open(self.log, "wb") as log:
                 self.process = subprocess.Popen(
-                    [sys.executable, "-m", "compiled_spec.runtime.compile_worker"], stdin=subprocess.PIPE,
+                    [sys.executable, "-m", WORKER_MODULE], stdin=subprocess.PIPE,
                     stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                     env={**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache_dir()},
                 )
@@ -155,12 +156,24 @@ def earlier_failure(paths: list[Path]) -> str | None:
 
 
 def running_compile(pid_file: Path) -> int | None:
-    """The pid of a live process compiling these packages, if one is."""
+    """The pid of a live process compiling these packages, if one is. A pid file left by a process that died names
+    a pid the system may have given to another process since (this one, even): that one is not followed."""
     try:
         pid = int(pid_file.read_text())
     except (OSError, ValueError):
         return None
-    return pid if process_alive(pid) else None
+    return pid if pid != os.getpid() and process_alive(pid) and is_compile_worker(pid) else None
+
+
+def is_compile_worker(pid: int) -> bool:
+    """Whether process `pid` runs compile_worker (where /proc cannot say, it is taken to)."""
+    try:
+        command_line = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except FileNotFoundError:
+        return not Path("/proc/self").exists()
+    except OSError:
+        return True
+    return WORKER_MODULE.encode() in command_line
 
 
 def process_alive(pid: int) -> bool:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import pickle
 import sys
+import threading
 import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from multiprocessing import get_context
@@ -34,6 +35,19 @@ def build(job: dict) -> None:
         _llm = LLM(**job["llm"], graph_mode="full", warm_up=False, show_progress=False, background_compile=False)
     except Exception as error:
         _build_error = error
+
+
+def build_in_pool(job: dict) -> None:
+    """A pool worker's build; the worker ends once the child that started it is gone (killed, say), where it
+    would otherwise go on compiling, holding hundreds of MB, for nobody."""
+    threading.Thread(target=exit_with_parent, args=(os.getppid(),), daemon=True).start()
+    build(job)
+
+
+def exit_with_parent(parent: int, interval: float = 0.5) -> None:
+    while os.getppid() == parent:
+        time.sleep(interval)
+    os._exit(1)
 
 
 def compile_one(graph: tuple, expected: str) -> str:
@@ -64,7 +78,8 @@ def main() -> int:
             for graph, path in missing:
                 print(compile_one(graph, path), flush=True)
             return 0
-        with ProcessPoolExecutor(workers, mp_context=get_context("spawn"), initializer=build, initargs=(job,)) as pool:
+        with ProcessPoolExecutor(workers, mp_context=get_context("spawn"), initializer=build_in_pool,
+                                 initargs=(job,)) as pool:
             futures = [pool.submit(compile_one, graph, path) for graph, path in missing]
             for future in as_completed(futures):
                 print(future.result(), flush=True)

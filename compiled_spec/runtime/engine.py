@@ -31,6 +31,7 @@ from .buckets import (
 )
 from .draft_chooser import DraftLengthChooser
 from .graph_modes import StepRunner
+from .packaged import package_damage
 
 TokenCallback = Callable[[int, list[int]], None]
 log = logging.getLogger(__name__)
@@ -147,6 +148,11 @@ class Engine:
         if self.config.graph_mode != GraphMode.EAGER:
             graphs = self.warm_up_graphs()
             paths = [self.runner.package_path(*graph) for graph in graphs]  # None where nothing is packaged
+            for path in paths:
+                if path is not None and path.exists() and (damage := package_damage(path)):
+                    log.warning("compiled-spec: a compiled package in %s is damaged (%s); compiling it again",
+                                path.parent, damage)
+                    path.unlink()
             if self.tiered_start and not all(path and path.exists() for path in paths):
                 if (failure := earlier_failure(paths)) is None:
                     self._start_in_eager(graphs, paths, show_progress)

@@ -22,6 +22,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -87,6 +88,19 @@ class BucketProgram(torch.nn.Module):
         supplied = iter(tensors[count:])
         args = [next(supplied) if isinstance(arg, torch.Tensor) else arg for arg in self.args]
         return self.function(self.model, self.layout.with_tensors(tensors[:count]), self.constants, *args)
+
+
+def package_damage(path: Path) -> str | None:
+    """Why the package at `path` cannot be loaded as it is (a truncated archive, constants missing or altered), or
+    None."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            if (broken := archive.testzip()) is not None:
+                return f"{broken} in {path.name} is corrupt"
+        manifest = shared_constants.read_manifest(path)
+    except (OSError, zipfile.BadZipFile, StopIteration, ValueError) as error:
+        return f"{path.name} is unreadable ({error or type(error).__name__})"
+    return shared_constants.damage(path.parent, manifest)
 
 
 class AheadOfTimeCompiled:

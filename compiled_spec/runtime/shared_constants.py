@@ -99,6 +99,22 @@ def load(folder: Path, manifest: dict[str, str]) -> dict[str, torch.Tensor]:
     return {name: held[key] for name, key in manifest.items()}
 
 
+def damage(folder: Path, manifest: dict[str, str]) -> str | None:
+    """What is wrong with the stored constants of a manifest (missing, or bytes that no longer match their digest),
+    or None. Reads every file, loaded in this process or not: a compile child loads from the disk."""
+    for key in sorted(set(manifest.values())):
+        path = _path(folder, key)
+        try:
+            tensor = torch.load(path, weights_only=True, mmap=True)
+        except FileNotFoundError:
+            return f"constant {path.name} is missing from {path.parent}"
+        except Exception as error:
+            return f"constant {path} is unreadable ({error})"
+        if digest(tensor) != key:
+            return f"constant {path} was altered (its bytes no longer match its name)"
+    return None
+
+
 def write_manifest(directory: Path, manifest: dict[str, str]) -> Path:
     path = directory / MANIFEST_NAME
     path.write_text(json.dumps(manifest, sort_keys=True))

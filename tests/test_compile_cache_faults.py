@@ -1,0 +1,132 @@
+"""Faults in the compile cache of full on CPU: a stale pid file, a damaged package or constant, a compile child
+killed by its pid. None of them may hang a start, load a damaged package, or leave processes behind."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+from compiled_spec import LLM
+from compiled_spec.config import GraphMode
+from compiled_spec.runtime import shared_constants
+from compiled_spec.runtime.background_compile import failed_file
+from compiled_spec.runtime.packaged import PACKAGE_FOLDER
+from test_graph_modes import ENGINE
+from test_tiered_start import decode
+from test_hisparse import prompts_for
+
+SMALL = dict(num_speculative_tokens=1, max_batch_size=2, max_seq_len=24, batch_buckets=(2,), prefill_buckets=(24,))
+
+
+def pool_workers_of(pid: int) -> list[int]:
+    """The spawned processes of pid's process pool (not multiprocessing's resource tracker)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid and b"spawn_main" in (stat.parent / "cmdline").read_bytes():
+            found.append(int(stat.parent.name))
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+@pytest.mark.parametrize("holder", ["this process", "an unrelated process"])
+def test_a_stale_pid_file_naming_a_live_process_that_does_not_compile_is_not_followed(
+        tiny_checkpoint, tmp_path, monkeypatch, holder):
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    llm = LLM(tiny_checkpoint("predictive").path, graph_mode="full", background_compile=True, compile_workers=1,
+              show_progress=False, warm_up=False, **SMALL)
+    engine = llm.engine
+    paths = [engine.runner.package_path(*graph) for graph in engine.warm_up_graphs()]
+    other = subprocess.Popen(["sleep", "120"]) if holder == "an unrelated process" else None
+    try:
+        pid_file = failed_file(paths).with_suffix(".pid")  # the pid file a BackgroundCompile of these paths reads
+        pid_file.parent.mkdir(parents=True, exist_ok=True)
+        pid_file.write_text(str(other.pid if other else os.getpid()))
+        engine.warm_up(show_progress=False)
+        background = engine.background
+        assert background is not None and background.process is not None  # its own child, not the stale pid's
+        assert background.pid != (other.pid if other else os.getpid())
+        background.stop()
+    finally:
+        if other:
+            other.kill()
+
+
+def test_a_compile_child_killed_by_its_pid_takes_its_pool_workers_with_it(tiny_checkpoint, tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    llm = LLM(tiny_checkpoint("predictive").path, graph_mode="full", background_compile=True, compile_workers=2,
+              show_progress=False, **SMALL)
+    child = llm.engine.background.process
+    deadline = time.monotonic() + 120
+    while len(workers := pool_workers_of(child.pid)) < 2 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert len(workers) == 2, "the child should run two pool workers"
+    time.sleep(8)  # the workers import torch and start building the engine
+    os.kill(child.pid, signal.SIGKILL)  # not the whole session, as BackgroundCompile.stop() does: the pid alone
+    child.wait()
+    deadline = time.monotonic() + 20
+    while any(alive(worker) for worker in workers) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not any(alive(worker) for worker in workers), "pool workers outlived the child that started them"
+    llm.engine.background.stop()
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("full_engine_packages")  # loads the packages test_graph_modes compiled on this worker
+@pytest.mark.parametrize("damage", ["truncated package", "deleted constant", "altered constant"])
+def test_a_damaged_package_is_detected_and_a_tiered_start_serves_in_eager_while_it_compiles_again(
+        tiny_checkpoint, tmp_path, monkeypatch, caplog, damage):
+    path = tiny_checkpoint("predictive").path
+    warm = LLM(path, graph_mode="full", show_progress=False, **ENGINE)
+    names = warm.engine.runner.packages()[0] + warm.engine.runner.packages()[1]
+    source = Path(cache_dir()) / PACKAGE_FOLDER
+    copy = tmp_path / "inductor" / PACKAGE_FOLDER
+    (copy / shared_constants.FOLDER).mkdir(parents=True)
+    keys = set()
+    for name in names:
+        shutil.copy(source / name, copy / name)
+        keys |= set(shared_constants.read_manifest(source / name).values())
+    for key in keys:
+        shutil.copy(source / shared_constants.FOLDER / f"{key}.pt", copy / shared_constants.FOLDER / f"{key}.pt")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+
+    damaged = copy / sorted(names)[0]
+    constant = copy / shared_constants.FOLDER / f"{sorted(shared_constants.read_manifest(damaged).values())[0]}.pt"
+    if damage == "truncated package":
+        damaged.write_bytes(damaged.read_bytes()[: damaged.stat().st_size // 2])
+    elif damage == "deleted constant":
+        constant.unlink()
+    else:
+        data = bytearray(constant.read_bytes())
+        data[-9] ^= 0xFF  # a byte of the tensor's data, not of the pickle around it
+        constant.write_bytes(bytes(data))
+
+    prompts = prompts_for((4, 9, 6), seed=5)
+    reference = decode(LLM(path, graph_mode="eager", **ENGINE), prompts)
+    with caplog.at_level("WARNING"):
+        llm = LLM(path, graph_mode="full", background_compile=True, compile_workers=1, show_progress=False, **ENGINE)
+    messages = [record.getMessage() for record in caplog.records if record.levelno >= 30]
+    assert len(messages) == 1 and "damaged" in messages[0] and str(copy) in messages[0], messages
+    engine = llm.engine
+    assert engine.runner.mode == GraphMode.EAGER and engine.background is not None  # serving while it compiles
+    assert decode(llm, prompts) == reference
+    assert engine.poll_background(wait=True, timeout=900) == "ready", engine.background.failure()
+    assert engine.runner.mode == GraphMode.FULL
+    assert decode(llm, prompts) == reference
