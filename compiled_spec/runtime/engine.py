@@ -22,7 +22,7 @@ from ..config import EngineConfig, GraphMode
 from ..hisparse.indexer import index_key_dims
 from ..model.causal_lm import CausalLM
 from ..model.rope import rotary_tables
-from ..params import RequestOutput, SamplingParams, SpecStats
+from ..params import MIN_SAMPLING_TEMPERATURE, RequestOutput, SamplingParams, SpecStats
 from ..speculative.state import DecodeState, move_slot
 from ..speculative.step import StepConstants
 from .background_compile import BackgroundCompile, compile_worker_count
@@ -315,7 +315,8 @@ class Engine:
         slot = len(self.slots)
         params = request.params
         state = self.state
-        state.temperature[slot] = float(params.temperature)
+        sampled = params.temperature >= MIN_SAMPLING_TEMPERATURE  # a tinier one would overflow the logits
+        state.temperature[slot] = float(params.temperature) if sampled else 0.0
         state.top_k[slot] = params.top_k
         state.top_p[slot] = float(params.top_p)
         state.seeds[slot] = request.seed
