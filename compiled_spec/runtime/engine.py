@@ -233,9 +233,13 @@ class Engine:
             log.warning("compiled-spec: compiling the full graphs failed (%s; log: %s); decoding stays in eager",
                         background.failure(), background.log)
         elif status == "ready":
-            full = self._full_runner
-            self.switch_runner(full, [full.warm_up_call(*graph) for graph in self.warm_up_graphs(full)])
-            self.background = None
+            full, self.background = self._full_runner, None  # one try: a failed switch is not retried every step
+            try:
+                self.switch_runner(full, [full.warm_up_call(*graph) for graph in self.warm_up_graphs(full)])
+            except Exception as error:
+                log.warning("compiled-spec: switching to the full graphs failed (%s: %s); decoding stays in eager",
+                            type(error).__name__, error)
+                return "failed"
             if self._show_progress:
                 tqdm.write(f"compiled-spec: switched to full graphs after {self.steps_run} steps, "
                            f"{time.perf_counter() - background.started:.0f} s after the start", file=sys.stderr)
