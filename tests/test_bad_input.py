@@ -177,3 +177,17 @@ def test_sampling_params_count_must_match_prompts(llm):
 def test_unsupported_dtype(tiny_checkpoint):
     with pytest.raises(CompiledSpecError, match=r"dtype='float64' is not supported; choose float32, bfloat16 or float16"):
         LLM(tiny_checkpoint("llama").path, dtype="float64")
+
+
+@pytest.mark.parametrize("shard", ["../outside.safetensors", "/tmp/outside.safetensors", "sub/../../outside.safetensors"])
+def test_a_safetensors_index_naming_a_file_outside_the_checkpoint_is_rejected(tiny_checkpoint, tmp_path, shard):
+    path = copy_checkpoint(tiny_checkpoint("llama_sharded").path, tmp_path / "checkpoint")
+    index = json.loads((path / "model.safetensors.index.json").read_text())
+    name, first_shard = next(iter(index["weight_map"].items()))
+    target = (path / shard).resolve() if not shard.startswith("/") else tmp_path / "absolute.safetensors"
+    shutil.copy(path / first_shard, target)  # the file exists: only the check keeps it from being read
+    index["weight_map"][name] = shard if not shard.startswith("/") else str(target)
+    (path / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(CompiledSpecError, match=r"model\.safetensors\.index\.json names shards outside the "
+                                                r"checkpoint folder: .*; allowed: file names relative to"):
+        LLM(path, max_seq_len=16)
