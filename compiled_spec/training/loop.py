@@ -132,7 +132,7 @@ def run(task: Task, training: dict, config: dict, work_dir: Path, log: dict, res
     generator = torch.Generator().manual_seed(config["seed"])
     start_step, checkpoint_path = 0, work_dir / CHECKPOINT_NAME
     if resume and checkpoint_path.exists():
-        state = torch.load(checkpoint_path, weights_only=False)
+        state = torch.load(checkpoint_path, weights_only=True)
         task.model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         generator.set_state(state["batch_generator"])
