@@ -319,8 +319,8 @@ def serve(model, mtp, draft_vocab_size, draft_dtype, num_speculative_tokens, max
     statistics (drafts, accepted per position, mean accepted length). Supported sampling parameters:
     temperature, top_p, top_k, max_tokens, stop, seed, ignore_eos; anything else that would change the
     output (n > 1, logprobs, penalties, tools) is a 400 naming the field. Per request: max_tokens and top_k
-    up to 2**31-1, at most 16 stop strings of at most 256 characters each; a temperature below 1e-5 decodes
-    greedily.
+    up to 2**31-1, at most 16 stop strings of at most 256 characters each, temperature 0..100 (below 1e-5
+    it decodes greedily).
 
     \b
     Examples:

@@ -14,6 +14,7 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_CHARACTERS = 256
 # A sampled row divides its logits by the temperature; below this it overflows float32, so it decodes greedily.
 MIN_SAMPLING_TEMPERATURE = 1e-5
+MAX_TEMPERATURE = 100.0  # far past uniform already; float32 state holds no more than 3.4e38
 
 
 @dataclass
@@ -28,10 +29,10 @@ class SamplingParams:
 
     def __post_init__(self):
         if (not isinstance(self.temperature, (int, float)) or not math.isfinite(self.temperature)
-                or self.temperature < 0):
-            raise CompiledSpecError(f"temperature={self.temperature!r} is invalid; allowed: a finite number >= 0 "
-                                    f"(0 = greedy; below {MIN_SAMPLING_TEMPERATURE:g} decodes greedily)",
-                                    param="temperature")
+                or not 0 <= self.temperature <= MAX_TEMPERATURE):
+            raise CompiledSpecError(f"temperature={self.temperature!r} is invalid; allowed: a number in "
+                                    f"0..{MAX_TEMPERATURE:g} (0 = greedy; below {MIN_SAMPLING_TEMPERATURE:g} decodes "
+                                    f"greedily)", param="temperature")
         if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
             raise CompiledSpecError(f"top_p={self.top_p!r} is out of range; allowed (0, 1]", param="top_p")
         if not isinstance(self.top_k, int) or not 0 <= self.top_k <= MAX_TOKENS_LIMIT:

@@ -66,7 +66,7 @@ def test_speculative_tokens_out_of_range(tiny_checkpoint, k):
 @pytest.mark.parametrize(
     "kwargs,message",
     [
-        (dict(temperature=-0.5), r"temperature=-0\.5 is invalid; allowed: a finite number >= 0"),
+        (dict(temperature=-0.5), r"temperature=-0\.5 is invalid; allowed: a number in 0\.\.100"),
         (dict(top_p=0.0), r"top_p=0\.0 is out of range; allowed \(0, 1\]"),
         (dict(top_p=1.5), r"top_p=1\.5 is out of range; allowed \(0, 1\]"),
         (dict(top_k=-2), r"top_k=-2 is invalid"),
@@ -74,8 +74,9 @@ def test_speculative_tokens_out_of_range(tiny_checkpoint, k):
         (dict(seed=2**63), r"seed=9223372036854775808 is out of range; allowed 0\.\.2\*\*63-1"),
         (dict(seed=-1), r"seed=-1 is out of range"),
         (dict(stop=[""]), r"stop=\[''\] is invalid"),
-        (dict(temperature=float("nan")), r"temperature=nan is invalid; allowed: a finite number >= 0"),
-        (dict(temperature=float("inf")), r"temperature=inf is invalid; allowed: a finite number >= 0"),
+        (dict(temperature=float("nan")), r"temperature=nan is invalid; allowed: a number in 0\.\.100"),
+        (dict(temperature=float("inf")), r"temperature=inf is invalid; allowed: a number in 0\.\.100"),
+        (dict(temperature=1e308), r"temperature=1e\+308 is invalid; allowed: a number in 0\.\.100"),
         (dict(max_tokens=2**63), r"max_tokens=9223372036854775808 is invalid; allowed: a positive integer up to "
                                  r"2147483647"),
         (dict(top_k=2**63), r"top_k=9223372036854775808 is invalid; allowed: 0 \(off\) or an integer in "

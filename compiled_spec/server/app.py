@@ -115,12 +115,18 @@ def create_app(llm: LLM, options: ServerOptions) -> FastAPI:
             raise APIError(408, f"the request body did not arrive within {options.body_timeout_s:g} s",
                            code="request_timeout", headers={"Connection": "close"}) from None
         try:
-            return json.loads(body)
+            parsed = json.loads(body)
         except (json.JSONDecodeError, UnicodeDecodeError) as error:
             raise APIError(400, f"the request body is not valid JSON: {error}", code="invalid_json") from None
         except RecursionError:
             raise APIError(400, "the request body is not valid JSON: it is nested too deeply",
                            code="invalid_json") from None
+        try:  # JSON may escape half a UTF-16 pair ("\\ud800"): no text, and the tokenizer cannot take it
+            json.dumps(parsed, ensure_ascii=False).encode()
+        except UnicodeEncodeError as error:
+            raise APIError(400, f"the request body has a string that is not valid Unicode ({error.reason}: "
+                                f"{error.object[error.start:error.end]!a})", code="invalid_json") from None
+        return parsed
 
     def check_model(name: str) -> None:
         if name != options.model_name:
