@@ -157,6 +157,7 @@ def test_deeply_nested_json_is_invalid_json(server, where):
     response = post(server, raw)
     assert response.status_code == 400, response.text
     assert response.json()["error"]["code"] == "invalid_json"
+    assert "nested too deeply (allowed: fewer than" in response.json()["error"]["message"]
     assert_still_serving(server)
 
 

@@ -12,6 +12,7 @@ import hmac
 import itertools
 import json
 import logging
+import sys
 import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -119,8 +120,8 @@ def create_app(llm: LLM, options: ServerOptions) -> FastAPI:
         except (json.JSONDecodeError, UnicodeDecodeError) as error:
             raise APIError(400, f"the request body is not valid JSON: {error}", code="invalid_json") from None
         except RecursionError:
-            raise APIError(400, "the request body is not valid JSON: it is nested too deeply",
-                           code="invalid_json") from None
+            raise APIError(400, f"the request body is not valid JSON: it is nested too deeply (allowed: fewer "
+                                f"than {sys.getrecursionlimit()} levels)", code="invalid_json") from None
         try:  # JSON may escape half a UTF-16 pair ("\\ud800"): no text, and the tokenizer cannot take it
             json.dumps(parsed, ensure_ascii=False).encode()
         except UnicodeEncodeError as error:
@@ -154,13 +155,12 @@ def create_app(llm: LLM, options: ServerOptions) -> FastAPI:
         if body.stream:
             return StreamingResponse(stream(pending, body, shape), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
-        hung_up = asyncio.ensure_future(wait_for_disconnect(request))
+        hung_up, event = asyncio.ensure_future(wait_for_disconnect(request)), None
         try:
             while True:
                 event = asyncio.ensure_future(pending.events.get())
                 await asyncio.wait((event, hung_up), return_when=asyncio.FIRST_COMPLETED)
                 if not event.done():
-                    event.cancel()
                     return Response(status_code=499)  # nobody reads it; the finally clause aborts the request
                 kind, value = event.result()
                 if kind == "error":
@@ -169,6 +169,8 @@ def create_app(llm: LLM, options: ServerOptions) -> FastAPI:
                     return JSONResponse(shape.whole(value))
         finally:
             hung_up.cancel()
+            if event is not None:
+                event.cancel()
             if not pending.ended:
                 loop.abort(pending.index)
 
