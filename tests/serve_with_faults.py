@@ -3,7 +3,8 @@
     python tests/serve_with_faults.py FAULT_DIR serve --model ...
 
 A file FAULT_DIR/step or FAULT_DIR/poll makes the next decode step or background-compile poll raise once (the file
-is removed when it fires); FAULT_DIR/slow holds seconds each decode step sleeps first (so a test can act while a
+is removed when it fires); FAULT_DIR/die makes the next step raise SystemExit, which ends the engine thread (nothing
+catches it); FAULT_DIR/slow holds seconds each decode step sleeps first (so a test can act while a
 request is mid-generation).
 """
 
@@ -36,6 +37,8 @@ def install(fault_dir: Path) -> None:
         slow = fault_dir / "slow"
         if slow.exists():
             time.sleep(float(slow.read_text() or 0))
+        if fires(fault_dir, "die"):
+            raise SystemExit(f"{SECRET} (die)")
         if fires(fault_dir, "step"):
             raise RuntimeError(f"{SECRET} (step)")
         return step(self, *args, **kwargs)

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -31,10 +32,9 @@ def model_dir(tmp_path_factory):
     return write_chat_model(tmp_path_factory.mktemp("reliability_model"))
 
 
-@pytest.fixture(scope="module")
-def server(model_dir, tmp_path_factory):
+@contextmanager
+def faulty_server(model_dir, logs: Path):
     """One slot (so a second request waits), no API key, faults injectable through server.faults."""
-    logs = tmp_path_factory.mktemp("reliability_logs")
     faults = logs / "faults"
     faults.mkdir()
     command = [sys.executable, str(REPO / "tests" / "serve_with_faults.py"), str(faults), "serve",
@@ -44,6 +44,12 @@ def server(model_dir, tmp_path_factory):
                "--step-log", str(logs / "steps.jsonl")]
     with running_server(command, logs / "server.log") as live:
         live.faults, live.step_log = faults, logs / "steps.jsonl"
+        yield live
+
+
+@pytest.fixture(scope="module")
+def server(model_dir, tmp_path_factory):
+    with faulty_server(model_dir, tmp_path_factory.mktemp("reliability_logs")) as live:
         yield live
 
 
@@ -269,6 +275,17 @@ def test_a_fault_in_the_background_compile_poll_neither_kills_nor_hangs_the_serv
     response = completion(server, max_tokens=20, ignore_eos=True)
     assert response.status_code == 500 and SECRET not in response.text
     assert_still_serving(server)
+
+
+def test_an_engine_thread_that_dies_answers_everyone_and_health_says_so(model_dir, tmp_path):
+    with faulty_server(model_dir, tmp_path) as server:
+        (server.faults / "die").touch()
+        response = completion(server, max_tokens=20, ignore_eos=True)
+        assert response.status_code == 500 and SECRET not in response.text
+        health = httpx.get(server.base_url + "/health", timeout=10)
+        assert health.status_code == 503 and "engine loop has stopped" in health.text
+        later = completion(server)  # answered at once, not left waiting for a thread that is gone
+        assert later.status_code == 503 and later.json()["error"]["code"] == "engine_stopped"
 
 
 def test_an_empty_api_key_refuses_to_start(model_dir):

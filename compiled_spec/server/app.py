@@ -147,6 +147,9 @@ def create_app(llm: LLM, options: ServerOptions) -> FastAPI:
             raise APIError(429, f"the server's queue is full ({options.max_queue} requests waiting); retry later",
                            type="rate_limit_error", code="queue_full", headers=retry) from None
         except ShuttingDown:
+            if not loop.alive:
+                raise APIError(503, "the engine loop has stopped (the server log says why)", type="server_error",
+                               code="engine_stopped") from None
             raise APIError(503, "the server is shutting down", type="server_error", code="shutting_down",
                            headers=retry) from None
         return pending
