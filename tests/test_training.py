@@ -123,6 +123,22 @@ def test_a_stopped_and_resumed_run_equals_an_uninterrupted_one_bitwise(tmp_path,
         assert torch.equal(tensor, checkpoints[1]["model"][name]), name
 
 
+class RunsCode:
+    def __reduce__(self):
+        return (print, ("unpickled code ran",))
+
+
+def test_a_checkpoint_that_would_run_code_is_not_loaded(tmp_path, capsys):
+    from compiled_spec.errors import CompiledSpecError
+    from compiled_spec.training import loop
+
+    config = tiny_config(tmp_path, max_steps=2)
+    torch.save({"model": {}, "step": 1, "payload": RunsCode()}, tmp_path / "work" / loop.CHECKPOINT_NAME)
+    with pytest.raises(CompiledSpecError, match=r"checkpoint\.pt holds more than tensors and plain data"):
+        train(config, resume=True)
+    assert "unpickled code ran" not in capsys.readouterr().out
+
+
 def test_mtp_rows_are_causal():
     tokenizer = train_byte_level_bpe([VERSE * 3], vocab_size=300)
     model = LlamaWithMtp(build_llama_config(TINY_MODEL, len(tokenizer), tokenizer.eos_token_id), 2).eval()
