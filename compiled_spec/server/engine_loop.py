@@ -128,16 +128,23 @@ class EngineLoop:
         finally:  # whatever ended the loop, nobody is left waiting for an answer that cannot come
             with self._lock:
                 self._accepting = False
-            self._handle_inbox(block=False)
-            for pending in [*self._waiting, *self._running.values()]:
+            left = [*self._waiting, *self._running.values()]
+            while True:  # requests submitted before the flag was set (the engine is not touched again)
+                try:
+                    kind, value = self._inbox.get_nowait()
+                except queue.Empty:
+                    break
+                if kind == "add":
+                    left.append(value)
+            for pending in left:
                 if not pending.ended:
                     self._end(pending, pending.request.output, error="the engine loop stopped")
             self.metrics.running.set(0)
             self.metrics.waiting.set(0)
 
     def _serve_once(self) -> bool:
-        """One turn of the loop: messages, admissions, a step (or, idle, a background-compile poll). A fault outside
-        a request's own prefill or step fails the running requests and the loop goes on; False on stop."""
+        """One turn of the loop: messages, admissions, a step (or, idle, a background-compile poll). A fault in any of
+        them fails the running requests and the loop goes on; False on stop."""
         try:
             idle = not self._waiting and not self.engine.slots
             if not self._handle_inbox(block=idle):
