@@ -40,7 +40,8 @@ def permute_rows(weight: np.ndarray, heads: int) -> np.ndarray:
 
 
 def write_gguf(directory: Path, architecture: str = "llama", tensor_type: str = "F32", seed: int = 0,
-               tie_word_embeddings: bool = False, head_count: int | None | str = "model") -> tuple[Path, torch.nn.Module]:
+               tie_word_embeddings: bool = False,
+               head_count: int | None | str = "model") -> tuple[Path, torch.nn.Module]:
     """Writes directory/model.gguf; returns its path and the transformers model it came from. head_count: what the
     metadata says ("model": the model's; None: nothing)."""
     tokenizer = train_byte_level_bpe([TEXT], 300)
