@@ -295,6 +295,8 @@ def generate(prompts, prompt_ids, model, mtp, draft_vocab_size, draft_dtype, num
               help="Requests waiting for a slot, at most; past that a request gets 429 with Retry-After.")
 @click.option("--max-request-bytes", "max_request_bytes", type=click.IntRange(1024), default=1 << 20,
               show_default=True, help="Largest request body accepted (413 past it).")
+@click.option("--body-timeout", "body_timeout", type=click.FloatRange(0, min_open=True), default=30.0,
+              show_default=True, help="Seconds a client has to send a whole request body (408 past it).")
 @click.option("--shutdown-timeout", "shutdown_timeout", type=click.FloatRange(0), default=30.0, show_default=True,
               help="On SIGTERM or Ctrl-C: seconds running responses get to finish before they are aborted.")
 @click.option("--step-log", "step_log", type=click.Path(dir_okay=False), default=None,
@@ -304,7 +306,7 @@ def generate(prompts, prompt_ids, model, mtp, draft_vocab_size, draft_dtype, num
 def serve(model, mtp, draft_vocab_size, draft_dtype, num_speculative_tokens, max_speculative_tokens, graph_mode,
           max_batch_size, max_seq_len, seed, hisparse, top_k_tokens,
           hot_rows, cold_dtype, cold_pool, host, port, api_key, served_model_name, max_queue, max_request_bytes,
-          shutdown_timeout, step_log, log_level):
+          body_timeout, shutdown_timeout, step_log, log_level):
     """Serve the model over HTTP with an OpenAI-compatible API.
 
     \b
@@ -316,7 +318,9 @@ def serve(model, mtp, draft_vocab_size, draft_dtype, num_speculative_tokens, max
     --max-batch-size); the rest wait in a queue. Each response's usage carries its speculative-decoding
     statistics (drafts, accepted per position, mean accepted length). Supported sampling parameters:
     temperature, top_p, top_k, max_tokens, stop, seed, ignore_eos; anything else that would change the
-    output (n > 1, logprobs, penalties, tools) is a 400 naming the field.
+    output (n > 1, logprobs, penalties, tools) is a 400 naming the field. Per request: max_tokens and top_k
+    up to 2**31-1, at most 16 stop strings of at most 256 characters each, temperature 0..100 (below 1e-5
+    it decodes greedily).
 
     \b
     Examples:
@@ -330,6 +334,14 @@ def serve(model, mtp, draft_vocab_size, draft_dtype, num_speculative_tokens, max
     from compiled_spec.registry import MODELS
     from compiled_spec.server import ServerOptions, serve as run_server
 
+    if api_key is None and os.environ.get("COMPILED_SPEC_API_KEY") == "":
+        api_key = ""  # click reads an empty variable as unset; an empty key must not open the server silently
+    if api_key is not None and not api_key.strip():
+        raise InputError("--api-key (or $COMPILED_SPEC_API_KEY) is empty; give a non-empty key, or leave it out "
+                         "to serve without one")
+    if api_key is None and host not in ("127.0.0.1", "localhost", "::1"):
+        click.echo(f"warning: serving on {host} without --api-key: anyone who can reach this address can use the "
+                   "server", err=True)
     llm = make_llm(model, mtp, draft_vocab_size, num_speculative_tokens, graph_mode, max_batch_size, max_seq_len,
                    seed, hisparse, top_k_tokens, hot_rows, cold_dtype, cold_pool, warm_up=False,
                    max_speculative_tokens=max_speculative_tokens, draft_dtype=draft_dtype)  # the engine thread warms up
@@ -340,7 +352,7 @@ def serve(model, mtp, draft_vocab_size, draft_dtype, num_speculative_tokens, max
     else:  # a registry name as given, else the checkpoint folder's or file's name
         name = model if model in MODELS else llm.path.resolve().name
     options = ServerOptions(model_name=name, api_key=api_key, max_queue=max_queue,
-                            max_request_bytes=max_request_bytes, step_log=step_log)
+                            max_request_bytes=max_request_bytes, body_timeout_s=body_timeout, step_log=step_log)
     click.echo(f"serving {name!r} (k={llm.num_speculative_tokens}, {llm.config.graph_mode.value}, "
                f"max batch {max_batch_size}) on http://{host}:{port}/v1", err=True)
     try:

@@ -21,4 +21,8 @@ def chat_prompt(tokenizer, messages: list[dict]) -> str:
                 f"messages[{number}] must have a role ({', '.join(ROLES)}) and text content, got {message!r}",
                 param=f"messages.{number}",
             )
-    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    try:
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    except Exception as error:  # templates raise on conversations they reject (e.g. roles out of order)
+        raise CompiledSpecError(f"the model's chat template rejected these messages: {error}",
+                                param="messages") from None

@@ -93,10 +93,16 @@ def safetensors_files(path: Path) -> list[Path]:
     index = path / "model.safetensors.index.json"
     if index.is_file():
         try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError) as error:
+            weight_map = dict(json.loads(index.read_text())["weight_map"])
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError) as error:
             raise CompiledSpecError(f"{index} is not a valid safetensors index: {error}") from None
-        files = [path / name for name in sorted(set(weight_map.values()))]
+        names = sorted({str(name) for name in weight_map.values()})
+        outside = [name for name in names if not name or Path(name).is_absolute()
+                   or ".." in Path(name).parts or "\\" in name]
+        if outside:
+            raise CompiledSpecError(f"{index.name} names shards outside the checkpoint folder: "
+                                    f"{', '.join(map(repr, outside))}; allowed: file names relative to {str(path)!r}")
+        files = [path / name for name in names]
         missing = [str(f.name) for f in files if not f.is_file()]
         if missing:
             raise CompiledSpecError(f"shards named in {index.name} are missing: {', '.join(missing)}")

@@ -68,6 +68,33 @@ def field_value(reader, key: str, default=None):
     return default if field is None else field.contents()
 
 
+def check_head_counts(reader, architecture: str, path: Path) -> None:
+    """The attention head counts must be positive and split every Q / K projection's rows into whole heads (in
+    pairs for llama, whose rows are un-permuted per head); otherwise loading fails later with no useful message."""
+    key = f"{architecture}.attention.head_count"
+    heads = field_value(reader, key)
+    projections = [tensor for tensor in reader.tensors if tensor.name.startswith("blk.")
+                   and tensor.name.split(".")[2:] in (["attn_q", "weight"], ["attn_k", "weight"])]
+    if heads is None and not projections:
+        return  # nothing to split into heads (the loader names the weights that are missing)
+    if not isinstance(heads, int) or heads < 1:
+        problem = "is missing" if heads is None else f"is {heads!r}"
+        raise CompiledSpecError(f"{path.name}: metadata {key} {problem}; allowed: a positive integer")
+    kv_key = f"{key}_kv"
+    kv_heads = field_value(reader, kv_key, heads)
+    if not isinstance(kv_heads, int) or not 1 <= kv_heads <= heads or heads % kv_heads:
+        raise CompiledSpecError(f"{path.name}: metadata {kv_key} is {kv_heads!r}; allowed: a positive divisor of "
+                                f"{key} ({heads})")
+    pair = 2 if architecture == "llama" else 1
+    for tensor in projections:
+        count, name = (heads, key) if tensor.name.split(".")[2] == "attn_q" else (kv_heads, kv_key)
+        rows = int(tensor.shape[-1])  # GGUF lists dimensions innermost first: [columns, rows]
+        if rows % (count * pair):
+            raise CompiledSpecError(f"{path.name}: {tensor.name} has {rows} rows, which metadata {name} ({count}) "
+                                    f"does not split into whole heads; allowed: a head count dividing {rows // pair}"
+                                    + (" (llama: rows per head must be even)" if pair == 2 else ""))
+
+
 def gguf_config(reader, path: Path) -> dict:
     """config.json's keys, from the file's metadata."""
     architecture = field_value(reader, "general.architecture")
@@ -75,6 +102,7 @@ def gguf_config(reader, path: Path) -> dict:
         raise CompiledSpecError(
             f"{path.name}: unsupported GGUF architecture {architecture!r}; supported: {', '.join(ARCHITECTURES)}"
         )
+    check_head_counts(reader, architecture, path)
     config = {"architectures": [ARCHITECTURES[architecture]], "model_type": architecture}
     for key, hf_key in CONFIG_KEYS.items():
         value = field_value(reader, f"{architecture}.{key}")

@@ -2,9 +2,19 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from .errors import CompiledSpecError
+
+# Per-request caps. The engine keeps counts in int64 state; stop strings are matched against the text after every
+# step, in the engine thread and in the server's event loop, so their number and length are bounded.
+MAX_TOKENS_LIMIT = 2**31 - 1
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARACTERS = 256
+# A sampled row divides its logits by the temperature; below this it overflows float32, so it decodes greedily.
+MIN_SAMPLING_TEMPERATURE = 1e-5
+MAX_TEMPERATURE = 100.0  # far past uniform already; float32 state holds no more than 3.4e38
 
 
 @dataclass
@@ -18,20 +28,32 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def __post_init__(self):
-        if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
-            raise CompiledSpecError(f"temperature={self.temperature!r} is invalid; allowed: >= 0 (0 = greedy)", param="temperature")
+        if (not isinstance(self.temperature, (int, float)) or not math.isfinite(self.temperature)
+                or not 0 <= self.temperature <= MAX_TEMPERATURE):
+            raise CompiledSpecError(f"temperature={self.temperature!r} is invalid; allowed: a number in "
+                                    f"0..{MAX_TEMPERATURE:g} (0 = greedy; below {MIN_SAMPLING_TEMPERATURE:g} decodes "
+                                    f"greedily)", param="temperature")
         if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
             raise CompiledSpecError(f"top_p={self.top_p!r} is out of range; allowed (0, 1]", param="top_p")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise CompiledSpecError(f"top_k={self.top_k!r} is invalid; allowed: 0 (off) or a positive integer", param="top_k")
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise CompiledSpecError(f"max_tokens={self.max_tokens!r} is invalid; allowed: a positive integer", param="max_tokens")
+        if not isinstance(self.top_k, int) or not 0 <= self.top_k <= MAX_TOKENS_LIMIT:
+            raise CompiledSpecError(f"top_k={self.top_k!r} is invalid; allowed: 0 (off) or an integer in "
+                                    f"1..{MAX_TOKENS_LIMIT}", param="top_k")
+        if not isinstance(self.max_tokens, int) or not 1 <= self.max_tokens <= MAX_TOKENS_LIMIT:
+            raise CompiledSpecError(f"max_tokens={self.max_tokens!r} is invalid; allowed: a positive integer up to "
+                                    f"{MAX_TOKENS_LIMIT}", param="max_tokens")
         if self.seed is not None and (not isinstance(self.seed, int) or not 0 <= self.seed < 2**63):
             raise CompiledSpecError(f"seed={self.seed!r} is out of range; allowed 0..2**63-1", param="seed")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        if isinstance(self.stop, (list, tuple)) and len(self.stop) > MAX_STOP_STRINGS:
+            raise CompiledSpecError(f"stop has {len(self.stop)} strings; allowed: at most {MAX_STOP_STRINGS}",
+                                    param="stop")
         if self.stop is not None and any(not isinstance(s, str) or not s for s in self.stop):
             raise CompiledSpecError(f"stop={self.stop!r} is invalid; allowed: a list of non-empty strings", param="stop")
+        if self.stop is not None and max(map(len, self.stop), default=0) > MAX_STOP_CHARACTERS:
+            longest = max(map(len, self.stop))
+            raise CompiledSpecError(f"stop has a string of {longest} characters; allowed: at most "
+                                    f"{MAX_STOP_CHARACTERS} characters each", param="stop")
 
 
 @dataclass

@@ -8,7 +8,9 @@ from pathlib import Path
 from compiled_spec.training.train_tokenizer import train_byte_level_bpe
 from tiny_checkpoints import write_checkpoint
 
-CHAT_TEMPLATE = (
+CHAT_TEMPLATE = (  # raises, as many real templates do, on a conversation that opens with the assistant
+    "{% if messages[0]['role'] == 'assistant' %}{{ raise_exception('Conversations must not open with the "
+    "assistant') }}{% endif %}"
     "{% for message in messages %}<|{{ message['role'] }}|>{{ message['content'] }}\n{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )

@@ -66,7 +66,7 @@ def test_speculative_tokens_out_of_range(tiny_checkpoint, k):
 @pytest.mark.parametrize(
     "kwargs,message",
     [
-        (dict(temperature=-0.5), r"temperature=-0\.5 is invalid; allowed: >= 0"),
+        (dict(temperature=-0.5), r"temperature=-0\.5 is invalid; allowed: a number in 0\.\.100"),
         (dict(top_p=0.0), r"top_p=0\.0 is out of range; allowed \(0, 1\]"),
         (dict(top_p=1.5), r"top_p=1\.5 is out of range; allowed \(0, 1\]"),
         (dict(top_k=-2), r"top_k=-2 is invalid"),
@@ -74,11 +74,26 @@ def test_speculative_tokens_out_of_range(tiny_checkpoint, k):
         (dict(seed=2**63), r"seed=9223372036854775808 is out of range; allowed 0\.\.2\*\*63-1"),
         (dict(seed=-1), r"seed=-1 is out of range"),
         (dict(stop=[""]), r"stop=\[''\] is invalid"),
+        (dict(temperature=float("nan")), r"temperature=nan is invalid; allowed: a number in 0\.\.100"),
+        (dict(temperature=float("inf")), r"temperature=inf is invalid; allowed: a number in 0\.\.100"),
+        (dict(temperature=1e308), r"temperature=1e\+308 is invalid; allowed: a number in 0\.\.100"),
+        (dict(max_tokens=2**63), r"max_tokens=9223372036854775808 is invalid; allowed: a positive integer up to "
+                                 r"2147483647"),
+        (dict(top_k=2**63), r"top_k=9223372036854775808 is invalid; allowed: 0 \(off\) or an integer in "
+                            r"1\.\.2147483647"),
+        (dict(stop=["a"] * 17), r"stop has 17 strings; allowed: at most 16"),
+        (dict(stop=["a" * 257]), r"stop has a string of 257 characters; allowed: at most 256 characters each"),
     ],
 )
 def test_bad_sampling_params(kwargs, message):
     with pytest.raises(CompiledSpecError, match=message):
         SamplingParams(**kwargs)
+
+
+def test_a_vanishing_temperature_decodes_greedily(llm):
+    greedy, tiny = llm.generate([[5, 6, 7]] * 2, [SamplingParams(max_tokens=8, ignore_eos=True),
+                                                  SamplingParams(max_tokens=8, ignore_eos=True, temperature=1e-40)])
+    assert tiny.token_ids == greedy.token_ids and tiny.finish_reason == "length"
 
 
 def test_unknown_graph_mode(tiny_checkpoint):
@@ -163,3 +178,17 @@ def test_sampling_params_count_must_match_prompts(llm):
 def test_unsupported_dtype(tiny_checkpoint):
     with pytest.raises(CompiledSpecError, match=r"dtype='float64' is not supported; choose float32, bfloat16 or float16"):
         LLM(tiny_checkpoint("llama").path, dtype="float64")
+
+
+@pytest.mark.parametrize("shard", ["../outside.safetensors", "/tmp/outside.safetensors", "sub/../../outside.safetensors"])
+def test_a_safetensors_index_naming_a_file_outside_the_checkpoint_is_rejected(tiny_checkpoint, tmp_path, shard):
+    path = copy_checkpoint(tiny_checkpoint("llama_sharded").path, tmp_path / "checkpoint")
+    index = json.loads((path / "model.safetensors.index.json").read_text())
+    name, first_shard = next(iter(index["weight_map"].items()))
+    target = (path / shard).resolve() if not shard.startswith("/") else tmp_path / "absolute.safetensors"
+    shutil.copy(path / first_shard, target)  # the file exists: only the check keeps it from being read
+    index["weight_map"][name] = shard if not shard.startswith("/") else str(target)
+    (path / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(CompiledSpecError, match=r"model\.safetensors\.index\.json names shards outside the "
+                                                r"checkpoint folder: .*; allowed: file names relative to"):
+        LLM(path, max_seq_len=16)

@@ -3,6 +3,11 @@
 
 from __future__ import annotations
 
+import re
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from gguf import GGMLQuantizationType, GGUFWriter
@@ -107,3 +112,21 @@ def test_an_unknown_architecture_and_an_unsupported_type_are_named(tmp_path):
         engine(tmp_path / "q5.gguf")
     with pytest.raises(CompiledSpecError, match="does not exist"):
         engine(tmp_path / "missing.gguf")
+
+
+@pytest.mark.parametrize("head_count, message", [
+    (None, r"metadata llama\.attention\.head_count is missing; allowed: a positive integer"),
+    (0, r"metadata llama\.attention\.head_count is 0; allowed: a positive integer"),
+    (3, r"metadata llama\.attention\.head_count_kv is 2; allowed: a positive divisor of "
+        r"llama\.attention\.head_count \(3\)"),
+    (64, r"blk\.0\.attn_q\.weight has 64 rows, which metadata llama\.attention\.head_count \(64\) does not split "
+         r"into whole heads; allowed: a head count dividing 32"),
+])
+def test_a_bad_head_count_is_named_and_the_cli_exits_2(tmp_path, head_count, message):
+    path, _ = write_gguf(tmp_path, "llama", head_count=head_count)
+    with pytest.raises(CompiledSpecError, match=message):
+        engine(path)
+    result = subprocess.run([sys.executable, "-m", "cli", "generate", "--model", str(path), "ROMEO:"],
+                            capture_output=True, text=True, timeout=120, cwd=Path(__file__).resolve().parents[1])
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    assert re.search(message, result.stderr), result.stderr

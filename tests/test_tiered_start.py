@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import re
+import time
 from collections import deque
 
 import pytest
@@ -144,3 +145,40 @@ def test_a_failed_background_compile_warns_once_the_engine_keeps_serving_in_eage
         assert decode(later, prompts) == reference
     warnings = [record.getMessage() for record in caplog.records if record.levelno >= logging.WARNING]
     assert len(warnings) == 1 and "failed to compile in an earlier run" in warnings[0] and why in warnings[0]
+
+
+class FinishedCompile:
+    """A background compile that reports every package made (the switch then loads them)."""
+
+    started, log = time.perf_counter(), "compile.log"
+
+    def poll(self) -> str:
+        return "ready"
+
+    def stop(self) -> None:
+        pass
+
+
+def test_a_failed_switch_to_the_full_graphs_warns_once_and_the_engine_keeps_serving_in_eager(
+        tiny_checkpoint, monkeypatch, caplog):
+    path = tiny_checkpoint("predictive").path
+    options = dict(num_speculative_tokens=1, max_batch_size=2, max_seq_len=24, batch_buckets=(2,), prefill_buckets=(24,))
+    prompts = prompts_for((4, 7), seed=2)
+    reference = decode(LLM(path, graph_mode="eager", **options), prompts)
+    llm = LLM(path, graph_mode="eager", show_progress=False, **options)
+    engine = llm.engine
+    eager = engine.runner
+    full = StepRunner(llm.model, engine.state, engine.constants, GraphMode.EAGER)
+
+    def load(function, args):
+        raise RuntimeError("the package does not load")
+
+    monkeypatch.setattr(full, "load", load)
+    engine.background, engine._full_runner = FinishedCompile(), full  # as _start_in_eager leaves them
+    with caplog.at_level(logging.WARNING):
+        assert decode(llm, prompts) == reference
+        assert decode(llm, prompts) == reference
+    warnings = [record for record in caplog.records if record.levelno >= logging.WARNING]
+    assert len(warnings) == 1 and "switching to the full graphs failed" in warnings[0].getMessage()
+    assert "the package does not load" in warnings[0].getMessage()
+    assert engine.runner is eager and engine.background is None and engine.switches == []

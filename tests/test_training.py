@@ -84,6 +84,61 @@ def test_resume_continues_from_the_checkpoint(tmp_path):
     assert [row["step"] for row in log["history"]["train"]][-3:] == [10, 11, 12]
 
 
+class Stopped(Exception):
+    pass
+
+
+def test_a_stopped_and_resumed_run_equals_an_uninterrupted_one_bitwise(tmp_path, monkeypatch):
+    """12 steps in one go, and 10 steps, a stop right after the step-10 checkpoint, and 2 resumed steps: the same
+    weights and the same losses at every step, bit for bit (RNGs, batch order and optimizer state all resume)."""
+    from compiled_spec.training import loop
+
+    whole = train(tiny_config(tmp_path / "whole", max_steps=12), resume=False)
+    save_checkpoint = loop.save_checkpoint
+
+    def save_then_stop(path, model, optimizer, step, generator, log):
+        save_checkpoint(path, model, optimizer, step, generator, log)
+        if step == 10:
+            raise Stopped()
+
+    config = tiny_config(tmp_path / "stopped", max_steps=12)
+    with monkeypatch.context() as patch:
+        patch.setattr(loop, "save_checkpoint", save_then_stop)
+        with pytest.raises(Stopped):
+            train(config, resume=False)
+    resumed = train(config, resume=True)
+
+    def losses(log):
+        return [(row["step"], row["loss"], row["loss_per_depth"]) for row in log["history"]["train"]]
+
+    assert [step for step, _, _ in losses(resumed)] == list(range(1, 13))
+    assert losses(resumed) == losses(whole)
+    weights = [load_file(str(tmp_path / run / "model" / "model.safetensors")) for run in ("whole", "stopped")]
+    assert weights[0].keys() == weights[1].keys()
+    for name in weights[0]:
+        assert torch.equal(weights[0][name], weights[1][name]), name
+    checkpoints = [torch.load(tmp_path / run / "work" / loop.CHECKPOINT_NAME, weights_only=True)
+                   for run in ("whole", "stopped")]
+    for name, tensor in checkpoints[0]["model"].items():
+        assert torch.equal(tensor, checkpoints[1]["model"][name]), name
+
+
+class RunsCode:
+    def __reduce__(self):
+        return (print, ("unpickled code ran",))
+
+
+def test_a_checkpoint_that_would_run_code_is_not_loaded(tmp_path, capsys):
+    from compiled_spec.errors import CompiledSpecError
+    from compiled_spec.training import loop
+
+    config = tiny_config(tmp_path, max_steps=2)
+    torch.save({"model": {}, "step": 1, "payload": RunsCode()}, tmp_path / "work" / loop.CHECKPOINT_NAME)
+    with pytest.raises(CompiledSpecError, match=r"checkpoint\.pt holds more than tensors and plain data"):
+        train(config, resume=True)
+    assert "unpickled code ran" not in capsys.readouterr().out
+
+
 def test_mtp_rows_are_causal():
     tokenizer = train_byte_level_bpe([VERSE * 3], vocab_size=300)
     model = LlamaWithMtp(build_llama_config(TINY_MODEL, len(tokenizer), tokenizer.eos_token_id), 2).eval()

@@ -40,8 +40,10 @@ def permute_rows(weight: np.ndarray, heads: int) -> np.ndarray:
 
 
 def write_gguf(directory: Path, architecture: str = "llama", tensor_type: str = "F32", seed: int = 0,
-               tie_word_embeddings: bool = False) -> tuple[Path, torch.nn.Module]:
-    """Writes directory/model.gguf; returns its path and the transformers model it came from."""
+               tie_word_embeddings: bool = False,
+               head_count: int | None | str = "model") -> tuple[Path, torch.nn.Module]:
+    """Writes directory/model.gguf; returns its path and the transformers model it came from. head_count: what the
+    metadata says ("model": the model's; None: nothing)."""
     tokenizer = train_byte_level_bpe([TEXT], 300)
     config_cls, model_cls = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
                              "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
@@ -59,7 +61,8 @@ def write_gguf(directory: Path, architecture: str = "llama", tensor_type: str = 
     writer.add_embedding_length(config.hidden_size)
     writer.add_block_count(config.num_hidden_layers)
     writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_head_count(config.num_attention_heads)
+    if head_count is not None:
+        writer.add_head_count(config.num_attention_heads if head_count == "model" else head_count)
     writer.add_head_count_kv(config.num_key_value_heads)
     writer.add_key_length(config.head_dim)
     writer.add_value_length(config.head_dim)

@@ -22,7 +22,7 @@ from ..config import EngineConfig, GraphMode
 from ..hisparse.indexer import index_key_dims
 from ..model.causal_lm import CausalLM
 from ..model.rope import rotary_tables
-from ..params import RequestOutput, SamplingParams, SpecStats
+from ..params import MIN_SAMPLING_TEMPERATURE, RequestOutput, SamplingParams, SpecStats
 from ..speculative.state import DecodeState, move_slot
 from ..speculative.step import StepConstants
 from .background_compile import BackgroundCompile, compile_worker_count, earlier_failure, failed_file
@@ -247,9 +247,13 @@ class Engine:
             log.warning("compiled-spec: compiling the full graphs failed (%s; log: %s); decoding stays in eager",
                         background.failure(), background.log)
         elif status == "ready":
-            full = self._full_runner
-            self.switch_runner(full, [full.warm_up_call(*graph) for graph in self.warm_up_graphs(full)])
-            self.background = None
+            full, self.background = self._full_runner, None  # one try: a failed switch is not retried every step
+            try:
+                self.switch_runner(full, [full.warm_up_call(*graph) for graph in self.warm_up_graphs(full)])
+            except Exception as error:
+                log.warning("compiled-spec: switching to the full graphs failed (%s: %s); decoding stays in eager",
+                            type(error).__name__, error)
+                return "failed"
             if self._show_progress:
                 tqdm.write(f"compiled-spec: switched to full graphs after {self.steps_run} steps, "
                            f"{time.perf_counter() - background.started:.0f} s after the start", file=sys.stderr)
@@ -329,7 +333,8 @@ class Engine:
         slot = len(self.slots)
         params = request.params
         state = self.state
-        state.temperature[slot] = float(params.temperature)
+        sampled = params.temperature >= MIN_SAMPLING_TEMPERATURE  # a tinier one would overflow the logits
+        state.temperature[slot] = float(params.temperature) if sampled else 0.0
         state.top_k[slot] = params.top_k
         state.top_p[slot] = float(params.top_p)
         state.seeds[slot] = request.seed

@@ -11,6 +11,8 @@ import copy
 import hmac
 import itertools
 import json
+import logging
+import sys
 import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -29,9 +31,9 @@ from ..text_stream import TextStream
 from .engine_loop import EngineLoop, Pending, QueueFull, ShuttingDown
 from .metrics import ServerMetrics
 from .protocol import (COMPLETIONS_DEFAULT_MAX_TOKENS, APIError, ChatCompletionRequest, CompletionRequest,
-                       ResponseShape, parse)
+                       ResponseShape, new_id, parse)
 
-DISCONNECT_POLL_S = 0.5
+log = logging.getLogger("compiled_spec.server")
 
 
 @dataclass
@@ -40,6 +42,7 @@ class ServerOptions:
     api_key: str | None = None
     max_queue: int = 64
     max_request_bytes: int = 1 << 20
+    body_timeout_s: float = 30.0  # to receive a whole request body
     retry_after_s: int = 1
     step_log: str | None = None
 
@@ -47,6 +50,8 @@ class ServerOptions:
 def create_app(llm: LLM, options: ServerOptions) -> FastAPI:
     if llm.tokenizer is None:
         raise CompiledSpecError(f"serve needs a model with a tokenizer; {str(llm.path)!r} has none")
+    if options.api_key is not None and not options.api_key.strip():
+        raise CompiledSpecError("the API key is empty; give a non-empty key, or none to serve without one")
     metrics = ServerMetrics(options.model_name, llm.draft_slots)
     loop = EngineLoop(llm.engine, metrics, options.max_queue, options.step_log)
     tokenizer = copy.deepcopy(llm.tokenizer)
@@ -78,7 +83,9 @@ def create_app(llm: LLM, options: ServerOptions) -> FastAPI:
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, error: Exception):
-        return JSONResponse(APIError(500, f"internal error: {error}", type="server_error").body(), status_code=500)
+        request_id = new_id("req")
+        log.error("request %s (%s %s) failed", request_id, request.method, request.url.path, exc_info=error)
+        return JSONResponse(internal_error_body(request_id), status_code=500)
 
     def authorize(request: Request) -> None:
         if options.api_key is None:
@@ -89,33 +96,50 @@ def create_app(llm: LLM, options: ServerOptions) -> FastAPI:
             raise APIError(401, "missing or wrong API key; send 'Authorization: Bearer <key>'",
                            code="invalid_api_key")
 
-    async def read_json(request: Request):
-        declared = request.headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > options.max_request_bytes:
-            raise APIError(413, f"request body of {declared} bytes is over the limit of "
-                                f"{options.max_request_bytes} bytes", code="request_too_large")
+    async def read_body(request: Request) -> bytes:
         body = bytearray()
         async for piece in request.stream():
             body += piece
             if len(body) > options.max_request_bytes:
                 raise APIError(413, f"request body is over the limit of {options.max_request_bytes} bytes",
-                               code="request_too_large")
+                               code="request_too_large", headers={"Connection": "close"})
+        return bytes(body)
+
+    async def read_json(request: Request):
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > options.max_request_bytes:
+            raise APIError(413, f"request body of {declared} bytes is over the limit of "
+                                f"{options.max_request_bytes} bytes", code="request_too_large")
         try:
-            return json.loads(body)
+            body = await asyncio.wait_for(read_body(request), options.body_timeout_s)
+        except asyncio.TimeoutError:
+            raise APIError(408, f"the request body did not arrive within {options.body_timeout_s:g} s",
+                           code="request_timeout", headers={"Connection": "close"}) from None
+        try:
+            parsed = json.loads(body)
         except (json.JSONDecodeError, UnicodeDecodeError) as error:
             raise APIError(400, f"the request body is not valid JSON: {error}", code="invalid_json") from None
+        except RecursionError:
+            raise APIError(400, f"the request body is not valid JSON: it is nested too deeply (allowed: fewer "
+                                f"than {sys.getrecursionlimit()} levels)", code="invalid_json") from None
+        try:  # JSON may escape half a UTF-16 pair ("\\ud800"): no text, and the tokenizer cannot take it
+            json.dumps(parsed, ensure_ascii=False).encode()
+        except UnicodeEncodeError as error:
+            raise APIError(400, f"the request body has a string that is not valid Unicode ({error.reason}: "
+                                f"{error.object[error.start:error.end]!a})", code="invalid_json") from None
+        return parsed
 
     def check_model(name: str) -> None:
         if name != options.model_name:
             raise APIError(404, f"model {name!r} does not exist; this server serves {options.model_name!r}",
                            param="model", code="model_not_found")
 
-    def submit(prompt_ids: list[int], params, param: str) -> Pending:
+    def submit(prompt_ids: list[int], params, param: str, shape: ResponseShape) -> Pending:
         try:
             engine_request = llm.make_request(next(request_numbers), prompt_ids, params)
         except CompiledSpecError as error:
             raise APIError(400, str(error), param=param if error.param == "prompt" else error.param) from None
-        pending = Pending(engine_request, asyncio.Queue(), asyncio.get_running_loop())
+        pending = Pending(engine_request, asyncio.Queue(), asyncio.get_running_loop(), request_id=shape.id)
         retry = {"Retry-After": str(options.retry_after_s)}
         try:
             loop.submit(pending)
@@ -123,6 +147,9 @@ def create_app(llm: LLM, options: ServerOptions) -> FastAPI:
             raise APIError(429, f"the server's queue is full ({options.max_queue} requests waiting); retry later",
                            type="rate_limit_error", code="queue_full", headers=retry) from None
         except ShuttingDown:
+            if not loop.alive:
+                raise APIError(503, "the engine loop has stopped (the server log says why)", type="server_error",
+                               code="engine_stopped") from None
             raise APIError(503, "the server is shutting down", type="server_error", code="shutting_down",
                            headers=retry) from None
         return pending
@@ -131,20 +158,22 @@ def create_app(llm: LLM, options: ServerOptions) -> FastAPI:
         if body.stream:
             return StreamingResponse(stream(pending, body, shape), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
+        hung_up, event = asyncio.ensure_future(wait_for_disconnect(request)), None
         try:
             while True:
-                try:
-                    kind, value = await asyncio.wait_for(pending.events.get(), DISCONNECT_POLL_S)
-                except asyncio.TimeoutError:
-                    if await request.is_disconnected():
-                        loop.abort(pending.index)
-                        return Response(status_code=499)
-                    continue
+                event = asyncio.ensure_future(pending.events.get())
+                await asyncio.wait((event, hung_up), return_when=asyncio.FIRST_COMPLETED)
+                if not event.done():
+                    return Response(status_code=499)  # nobody reads it; the finally clause aborts the request
+                kind, value = event.result()
                 if kind == "error":
-                    raise APIError(500, value, type="server_error")
+                    return JSONResponse(internal_error_body(pending.request_id), status_code=500)
                 if kind == "done":
                     return JSONResponse(shape.whole(value))
         finally:
+            hung_up.cancel()
+            if event is not None:
+                event.cancel()
             if not pending.ended:
                 loop.abort(pending.index)
 
@@ -164,7 +193,7 @@ def create_app(llm: LLM, options: ServerOptions) -> FastAPI:
                         yield event(shape.chunk(new_text))
                     continue
                 if kind == "error":
-                    yield event(APIError(500, value, type="server_error").body())
+                    yield event(internal_error_body(pending.request_id))
                 else:
                     output: RequestOutput = value
                     yield event(shape.chunk(text.finish(output.text), finish_reason=output.finish_reason))
@@ -188,8 +217,8 @@ def create_app(llm: LLM, options: ServerOptions) -> FastAPI:
             prompt_ids = tokenizer.encode(body.prompt, add_special_tokens=False)
         else:
             prompt_ids = body.prompt
-        pending = submit(prompt_ids, params, "prompt")
-        return await respond(request, pending, body, ResponseShape(chat=False, model=options.model_name))
+        shape = ResponseShape(chat=False, model=options.model_name)
+        return await respond(request, submit(prompt_ids, params, "prompt", shape), body, shape)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
@@ -201,8 +230,9 @@ def create_app(llm: LLM, options: ServerOptions) -> FastAPI:
         except CompiledSpecError as error:
             raise APIError(400, str(error), param=error.param) from None
         params = body.sampling_params(llm.config.max_seq_len)  # OpenAI: up to the context's end by default
-        pending = submit(tokenizer.encode(prompt, add_special_tokens=False), params, "messages")
-        return await respond(request, pending, body, ResponseShape(chat=True, model=options.model_name))
+        shape = ResponseShape(chat=True, model=options.model_name)
+        pending = submit(tokenizer.encode(prompt, add_special_tokens=False), params, "messages", shape)
+        return await respond(request, pending, body, shape)
 
     @app.get("/v1/models")
     async def models(request: Request):
@@ -224,3 +254,15 @@ def create_app(llm: LLM, options: ServerOptions) -> FastAPI:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     return app
+
+
+async def wait_for_disconnect(request: Request) -> None:
+    """Returns when the client hangs up (the body has been read: what comes next is http.disconnect)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def internal_error_body(request_id: str) -> dict:
+    """What a client learns of a fault of the server: the id to find it by in the server's log, not its text."""
+    return APIError(500, f"internal error; request id {request_id} (the details are in the server log)",
+                    type="server_error", code="internal_error").body()

@@ -33,11 +33,13 @@ class ShuttingDown(Exception):
 @dataclass(eq=False)
 class Pending:
     """One request on its way through the loop, and the handler's queue of its events:
-    ("tokens", [ids]), then ("done", RequestOutput) or ("error", message)."""
+    ("tokens", [ids]), then ("done", RequestOutput) or ("error", message). The message is for the server's log;
+    a client is told only request_id (the id of its response), which the log names beside it."""
 
     request: Request
     events: asyncio.Queue
     event_loop: asyncio.AbstractEventLoop
+    request_id: str = ""
     arrived: float = field(default_factory=time.monotonic)
     last_token_at: float | None = None
     ended: bool = False
@@ -115,19 +117,48 @@ class EngineLoop:
             return
         finally:
             self._ready.set()
-        while True:
+        try:
+            while self._serve_once():
+                pass
+            for pending in [*self._waiting, *self._running.values()]:
+                self._abort(pending)
+        except BaseException:
+            log.exception("the engine loop stopped")
+            raise
+        finally:  # whatever ended the loop, nobody is left waiting for an answer that cannot come
+            with self._lock:
+                self._accepting = False
+            left = [*self._waiting, *self._running.values()]
+            while True:  # requests submitted before the flag was set (the engine is not touched again)
+                try:
+                    kind, value = self._inbox.get_nowait()
+                except queue.Empty:
+                    break
+                if kind == "add":
+                    left.append(value)
+            for pending in left:
+                if not pending.ended:
+                    self._end(pending, pending.request.output, error="the engine loop stopped")
+            self.metrics.running.set(0)
+            self.metrics.waiting.set(0)
+
+    def _serve_once(self) -> bool:
+        """One turn of the loop: messages, admissions, a step (or, idle, a background-compile poll). A fault in any of
+        them fails the running requests and the loop goes on; False on stop."""
+        try:
             idle = not self._waiting and not self.engine.slots
             if not self._handle_inbox(block=idle):
-                break
+                return False
             self._admit_waiting()
             if self.engine.slots:
                 self._step()
             else:  # idle: a tiered start still switches once its background compile is done
                 self.engine.poll_background()
-            self.metrics.running.set(len(self.engine.slots))
-            self.metrics.waiting.set(self._queued)
-        for pending in [*self._waiting, *self._running.values()]:
-            self._abort(pending)
+        except Exception as error:
+            self._fail_running("the engine loop failed", error)
+        self.metrics.running.set(len(self.engine.slots))
+        self.metrics.waiting.set(self._queued)
+        return True
 
     def _handle_inbox(self, block: bool) -> bool:
         """Takes every message waiting (blocking for the first when idle); False on stop."""
@@ -161,7 +192,7 @@ class EngineLoop:
             try:
                 finished = self.engine.admit(pending.request, self._on_tokens)
             except Exception as error:  # a fault of the engine, not of the request: report it, keep serving
-                log.exception("prefill failed for request %d", pending.index)
+                log.exception("prefill failed for request %s", pending.request_id)
                 self._fail(pending, f"prefill failed: {error}")
                 continue
             self._ended(finished)
@@ -170,9 +201,7 @@ class EngineLoop:
         try:
             record = self.engine.step(self._on_tokens)
         except Exception as error:
-            log.exception("decode step failed; aborting the %d running requests", len(self._running))
-            for pending in list(self._running.values()):
-                self._fail(pending, f"decode step failed: {error}")
+            self._fail_running("decode step failed", error)
             return
         self._steps += 1
         self.metrics.record_step([accepted for _, accepted in record.lanes], record.verified, record.num_drafts)
@@ -207,9 +236,19 @@ class EngineLoop:
             pending.request.output.finish_reason = "abort"
         self._end(pending, pending.request.output)
 
+    def _fail_running(self, what: str, error: Exception) -> None:
+        running = list(self._running.values())
+        log.error("%s; failing the %d running requests (%s)", what, len(running),
+                  ", ".join(p.request_id for p in running) or "none", exc_info=error)
+        for pending in running:
+            self._fail(pending, f"{what}: {error}")
+
     def _fail(self, pending: Pending, message: str) -> None:
         if pending.index in self._running:
-            self.engine.abort(pending.index)
+            try:
+                self.engine.abort(pending.index)
+            except Exception:  # the slot stays taken, but the request still gets its answer
+                log.exception("freeing the slot of request %s failed", pending.request_id)
         output = pending.request.output
         output.finish_reason, output.error = "error", message
         self._end(pending, output, error=message)

@@ -11,6 +11,7 @@ import ctypes
 import json
 import math
 import os
+import pickle
 import random
 import time
 from dataclasses import dataclass
@@ -19,6 +20,8 @@ from typing import Callable
 
 import torch
 from tqdm import tqdm
+
+from ..errors import CompiledSpecError
 
 CHECKPOINT_NAME = "checkpoint.pt"
 
@@ -132,7 +135,11 @@ def run(task: Task, training: dict, config: dict, work_dir: Path, log: dict, res
     generator = torch.Generator().manual_seed(config["seed"])
     start_step, checkpoint_path = 0, work_dir / CHECKPOINT_NAME
     if resume and checkpoint_path.exists():
-        state = torch.load(checkpoint_path, weights_only=False)
+        try:  # tensors and plain data only: a pickled checkpoint could run any code it names
+            state = torch.load(checkpoint_path, weights_only=True)
+        except pickle.UnpicklingError as error:
+            raise CompiledSpecError(f"{checkpoint_path} holds more than tensors and plain data; it is not loaded "
+                                    f"({str(error).splitlines()[0]})") from None
         task.model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         generator.set_state(state["batch_generator"])

@@ -76,7 +76,7 @@ def self_generated_windows(base, prompts: list[list[int]], length: int, batch_si
     done: dict[str, torch.Tensor] | None = None
     known: list[list[int]] = []
     if cache_file.is_file():
-        cached = torch.load(cache_file)
+        cached = torch.load(cache_file, weights_only=True)
         known = cached["prompts"][: len(prompts)]
         if cached["base"] == base_key and cached["length"] >= length and prompts[: len(known)] == known:
             done = {key: cached[key][: len(known), :length] for key in ("ids", "hidden", "greedy")}

@@ -1,0 +1,59 @@
+"""`compiled-spec serve` with faults a test can inject into the engine thread while the server runs.
+
+    python tests/serve_with_faults.py FAULT_DIR serve --model ...
+
+A file FAULT_DIR/step or FAULT_DIR/poll makes the next decode step or background-compile poll raise once (the file
+is removed when it fires); FAULT_DIR/die makes the next step raise SystemExit, which ends the engine thread (nothing
+catches it); FAULT_DIR/slow holds seconds each decode step sleeps first (so a test can act while a
+request is mid-generation).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from compiled_spec.runtime.engine import Engine  # noqa: E402
+
+SECRET = "injected fault 7f3a: secret engine detail"
+
+
+def fires(fault_dir: Path, name: str) -> bool:
+    trigger = fault_dir / name
+    try:
+        trigger.unlink()
+    except FileNotFoundError:
+        return False
+    return True
+
+
+def install(fault_dir: Path) -> None:
+    step, poll_background = Engine.step, Engine.poll_background
+
+    def faulty_step(self, *args, **kwargs):
+        slow = fault_dir / "slow"
+        if slow.exists():
+            time.sleep(float(slow.read_text() or 0))
+        if fires(fault_dir, "die"):
+            raise SystemExit(f"{SECRET} (die)")
+        if fires(fault_dir, "step"):
+            raise RuntimeError(f"{SECRET} (step)")
+        return step(self, *args, **kwargs)
+
+    def faulty_poll(self, *args, **kwargs):
+        if fires(fault_dir, "poll"):
+            raise RuntimeError(f"{SECRET} (poll)")
+        return poll_background(self, *args, **kwargs)
+
+    Engine.step, Engine.poll_background = faulty_step, faulty_poll
+
+
+if __name__ == "__main__":
+    install(Path(sys.argv[1]))
+    from cli import main
+
+    sys.argv = ["compiled-spec", *sys.argv[2:]]
+    main()
