@@ -12,7 +12,7 @@ import torch
 
 from compiled_spec import LLM
 from compiled_spec.config import GraphMode
-from compiled_spec.runtime import micro_gemm_kernel
+from compiled_spec.runtime import torch_patches
 from compiled_spec.runtime.graph_modes import inductor_options
 from compiled_spec.runtime.packaged import DynamicSize, model_digest, package_key, static_bucket
 from compiled_spec.speculative.step import prefill, speculative_step
@@ -103,7 +103,8 @@ def test_engines_that_draft_and_that_do_not_get_the_cpp_template_and_its_changed
             assert function.options["max_autotune_gemm_backends"] == "CPP" and function.options["freezing"]
             assert "cpp.weight_prepack" not in function.options
             # A package or FX graph compiled from the micro-kernel as torch ships it is not reused for the changed one.
-            assert function.manager.context.options["micro_gemm"] == micro_gemm_kernel.CACHE_KEY
+            assert function.manager.context.options["torch_patches"] == torch_patches.cache_key()
+    assert torch_patches.installed()["fp32 micro-kernel: registers and prefetch"] != torch_patches.AS_SHIPPED
 
 
 # Names the step package a fresh process's engine expects before it builds the attention kernel (as a tiered start

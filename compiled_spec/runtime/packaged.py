@@ -36,7 +36,6 @@ from passes.graph_inputs import named_inputs
 from ..model import decode_attention
 from ..speculative.state import DecodeState
 from . import shared_constants
-from .inductor_compile_time import probe_vector_isas_in_background
 
 PACKAGE_FOLDER = "compiled_spec_packages"
 # Constants (the frozen, pre-packed weights) stay out of the shared library; shared_constants stores them once.
@@ -151,6 +150,8 @@ class AheadOfTimeCompiled:
         return package
 
     def _compile(self, program: BucketProgram, state: DecodeState, args, path: Path) -> None:
+        from .inductor_compile_time import probe_vector_isas_in_background
+
         probe_vector_isas_in_background()  # needed by lowering; the g++ checks run while export traces
         state_tensors = state.tensors()
         inputs = tuple(state_tensors) + tuple(arg for arg in args if isinstance(arg, torch.Tensor))
