@@ -15,7 +15,7 @@ import time
 import warnings
 from pathlib import Path
 
-import torch
+from . import cpu_kernel_ops  # noqa: F401  the schemas of the ops the build registers
 
 SOURCES = [Path(__file__).with_suffix(".cpp"), Path(__file__).with_name("half_weight_linear.cpp")]
 log = logging.getLogger(__name__)
@@ -58,8 +58,6 @@ def load() -> bool:
     from torch._inductor import cpu_vec_isa
     from torch.utils import cpp_extension
 
-    from . import half_weight_linear  # noqa: F401  defines the op the build registers
-
     isa = cpu_vec_isa.pick_vec_isa()
     flags = ["-O3", "-DNDEBUG", "-fopenmp", *isa.build_arch_flags().split()]
     flags += [f"-D{macro}" for macro in isa.build_macro()]
@@ -77,13 +75,3 @@ def load() -> bool:
     log.info("CPU kernels ready in %.1f s", time.perf_counter() - start)
     _loaded = True
     return True
-
-
-torch.library.define(
-    "compiled_spec_cpu::decode_attention", "(Tensor q, Tensor keys, Tensor values, Tensor attend) -> Tensor"
-)
-
-
-@torch.library.register_fake("compiled_spec_cpu::decode_attention")
-def _(q, keys, values, attend):
-    return torch.empty_like(q, memory_format=torch.contiguous_format)

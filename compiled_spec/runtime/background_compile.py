@@ -1,7 +1,7 @@
 """Full packages compiled by child processes: in the background for a tiered start (the engine decodes in eager
 meanwhile), or waited for by a full warm-up that has several graphs to make.
 
-The child (runtime/compile_worker.py) builds the same engine from the same LLM arguments in each of its worker
+The child (compiled_spec/compile_worker.py) builds the same engine from the same LLM arguments in each of its worker
 processes and compiles the missing packages into the shared package folder (runtime/packaged.py); the engine loads
 them once every one exists (a tiered start switches to them between two steps). The child runs in a session of its
 own and writes only files, so it finishes even when the process that started it exits first: a later process loads
@@ -69,7 +69,7 @@ class BackgroundCompile:
                        niceness=niceness, threads=torch.get_num_threads(), pid_file=str(self.pid_file))
             with open(self.log, "wb") as log:
                 self.process = subprocess.Popen(
-                    [sys.executable, "-m", "compiled_spec.runtime.compile_worker"], stdin=subprocess.PIPE,
+                    [sys.executable, "-m", "compiled_spec.compile_worker"], stdin=subprocess.PIPE,
                     stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                     env={**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache_dir()},
                 )
