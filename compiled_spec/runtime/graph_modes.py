@@ -43,9 +43,6 @@ from .packaged import AheadOfTimeCompiled, DynamicSize, model_digest
 # (decode_attention or grouped_attention), a branch a package of every length cannot hold. Shorter prompts are
 # padded to it.
 PACKAGED_PREFILL_MIN_WIDTH = max(DECODE_ATTENTION_MAX_ROWS, COMPILED_ATTENTION_MAX_ROWS) + 1
-# The one step package of full on CPU takes every batch from 1 up to the largest batch bucket. A package of batch 1's
-# own stepped 1-4% faster at batch 1, but was a third graph for the default buckets' cold start (README, Start-up).
-PACKAGED_STEP_MIN_BATCH = 1
 # Below this largest batch the batch buckets keep static packages: a range of 2 sizes does not pay for the dynamic
 # batch's longer compile (its traces carry the batch as a symbol).
 PACKAGED_STEP_MIN_LARGEST_BATCH = 3
@@ -132,8 +129,9 @@ class StepRunner:
         largest prompt width prefill is called with (the largest prefill bucket); with it, full on CPU compiles
         one prefill package (per k) for every width from PACKAGED_PREFILL_MIN_WIDTH up to it (prefill_widths).
         batch_size: the largest batch step is called with (the largest batch bucket); with it, full on CPU compiles
-        one step package (per k) for every batch from PACKAGED_STEP_MIN_BATCH up to it (step_batches), when it is
-        PACKAGED_STEP_MIN_LARGEST_BATCH or more."""
+        one step package (per k) for every batch from 1 up to it (step_batches), when it is
+        PACKAGED_STEP_MIN_LARGEST_BATCH or more. (A package of batch 1's own stepped 1-4% faster at batch 1, but was
+        a third graph for the default buckets' cold start: README, Start-up.)"""
         self.mode = mode
         self.state = state
         self.draft_lengths = draft_lengths
@@ -166,7 +164,7 @@ class StepRunner:
         if options.get("freezing") and prefill_width is not None and prefill_width > PACKAGED_PREFILL_MIN_WIDTH:
             self.prefill_widths = (PACKAGED_PREFILL_MIN_WIDTH, prefill_width)
         if options.get("freezing") and batch_size is not None and batch_size >= PACKAGED_STEP_MIN_LARGEST_BATCH:
-            self.step_batches = (PACKAGED_STEP_MIN_BATCH, batch_size)
+            self.step_batches = (1, batch_size)
 
         def compiled(name: str, function, num_drafts: int | None = None):
             context = PassContext(
