@@ -15,10 +15,11 @@ from pathlib import Path
 import click
 from click.exceptions import NoArgsIsHelpError
 
-# Mirrors compiled_spec.config (GraphMode, MAX_SPECULATIVE_TOKENS) and training.mtp_corpus (DOMAINS) without
-# importing torch; a test keeps them equal.
+# Mirrors compiled_spec.config (GraphMode, MAX_SPECULATIVE_TOKENS, DEFAULT_MAX_SPECULATIVE_TOKENS) and
+# training.mtp_corpus (DOMAINS) without importing torch; a test keeps them equal.
 GRAPH_MODES = ("eager", "compile", "piecewise", "full")
 MAX_SPECULATIVE_TOKENS = 8
+DEFAULT_MAX_SPECULATIVE_TOKENS = 3
 DOMAINS = ("code", "prose", "chat")
 
 
@@ -115,7 +116,8 @@ def engine_options(command):
                           "for the most expected tokens per second (from step times measured at start-up and the "
                           "running acceptance).  [default: 3, also for smollm2-135m with its shipped modules, its "
                           "fastest k; 0 for a model without MTP modules]"),
-        click.option("--max-speculative-tokens", "max_speculative_tokens", type=int, default=3, show_default=True,
+        click.option("--max-speculative-tokens", "max_speculative_tokens", type=int,
+                     default=DEFAULT_MAX_SPECULATIVE_TOKENS, show_default=True,
                      help="With -k auto: the largest k it may choose."),
         click.option("--seed", type=click.IntRange(0, 2**32 - 1), default=0, show_default=True,
                      help="Base seed for sampling; each prompt gets its own seed derived from it."),
@@ -142,8 +144,8 @@ def engine_options(command):
 
 
 def make_llm(model, mtp, draft_vocab_size, num_speculative_tokens, graph_mode, max_batch_size, max_seq_len, seed,
-             hisparse, top_k_tokens, hot_rows, cold_dtype, cold_pool, warm_up=True, max_speculative_tokens=3,
-             draft_dtype=None):
+             hisparse, top_k_tokens, hot_rows, cold_dtype, cold_pool, warm_up=True,
+             max_speculative_tokens=DEFAULT_MAX_SPECULATIVE_TOKENS, draft_dtype=None):
     """The LLM engine_options ask for; bad input becomes an InputError (one `error:` line, exit 2)."""
     from compiled_spec import LLM, CompiledSpecError
 
@@ -572,7 +574,8 @@ def bench(model, graph_modes, ks, batch_sizes, anchors, out, max_tokens, prompts
     try:
         sparse = hisparse_config(hisparse, top_k_tokens, hot_rows, cold_dtype, cold_pool)
         if sparse is not None:
-            sparse.validate(max(3 if k == "auto" else k for k in ks))  # before any cell runs
+            # before any cell runs; auto drafts up to the default maximum
+            sparse.validate(max(DEFAULT_MAX_SPECULATIVE_TOKENS if k == "auto" else k for k in ks))
     except CompiledSpecError as error:
         raise InputError(str(error)) from None
     try:

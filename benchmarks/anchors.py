@@ -20,16 +20,13 @@ from pathlib import Path
 
 from .llama_cpp_anchor import LLAMA_CPP_ANCHORS, measure_llama_cpp
 from .llama_cpp_anchor import unavailable_reason as llama_cpp_unavailable
+from .unavailable import Unavailable
 from .workload import digest
 
 # torch and transformers are imported inside the functions: the sweep process reads ANCHORS without them.
 
 ANCHORS = ("hf-eager", "hf-static", "hf-mtp", *LLAMA_CPP_ANCHORS)
 DEFAULT_ANCHORS = ("hf-eager", "hf-static", "hf-mtp")
-
-
-class Unavailable(Exception):
-    """The anchor cannot run on this checkpoint or batch size; the message says why."""
 
 
 def unavailable_reason(name: str, batch_size: int, model: str) -> str | None:

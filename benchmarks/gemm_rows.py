@@ -24,6 +24,7 @@ import torch
 
 from compiled_spec.config import GraphMode
 from compiled_spec.model.layers import MLP
+from compiled_spec.runtime import torch_patches
 from compiled_spec.runtime.graph_modes import inductor_options
 from compiled_spec.runtime.micro_gemm_kernel import (TEMPLATE_ENTRY_AS_SHIPPED, TEMPLATE_KERNEL_AS_SHIPPED,
                                                     cpp_micro_gemm)
@@ -68,6 +69,7 @@ def main() -> None:
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    torch_patches.install()  # full's micro-kernel and entry, as an engine compiles them
     torch.manual_seed(0)
     model = torch.nn.Sequential(*(Residual() for _ in range(args.layers))).eval().requires_grad_(False)
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())

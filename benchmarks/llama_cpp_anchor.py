@@ -15,6 +15,7 @@ import os
 import time
 from pathlib import Path
 
+from .unavailable import Unavailable
 from .workload import digest
 
 LLAMA_CPP_ANCHORS = ("llama-cpp", "llama-cpp-f32")
@@ -66,8 +67,6 @@ def f32_copy(path: Path) -> Path:
 
 def measure_llama_cpp(spec: dict) -> dict:
     from llama_cpp import Llama
-
-    from .anchors import Unavailable
 
     name, max_tokens = spec["anchor"], spec["max_tokens"]
     reason = unavailable_reason(name, spec["batch_size"], spec["model"])

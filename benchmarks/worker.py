@@ -25,7 +25,7 @@ def run_cell(spec: dict) -> dict:
 
 
 def main(spec_path: str, result_path: str) -> None:
-    from .anchors import Unavailable
+    from .unavailable import Unavailable
 
     spec = json.loads(open(spec_path).read())
     start = time.perf_counter()

@@ -9,7 +9,7 @@ import torch
 
 from .chat import chat_prompt
 from .checkpoint import checkpoint_dtype, load_model
-from .config import EngineConfig, GraphMode, draft_dtype_name, dtype_name
+from .config import DEFAULT_MAX_SPECULATIVE_TOKENS, EngineConfig, GraphMode, draft_dtype_name, dtype_name
 from .errors import CompiledSpecError
 from .hisparse.config import HiSparseConfig
 from .hisparse.indexer import attach_indexers
@@ -32,7 +32,7 @@ class LLM:
         model: str | Path | None = None,
         *,
         num_speculative_tokens: int | str | None = None,
-        max_speculative_tokens: int = 3,
+        max_speculative_tokens: int = DEFAULT_MAX_SPECULATIVE_TOKENS,
         graph_mode: str | GraphMode | None = None,
         max_batch_size: int = 8,
         max_seq_len: int = 512,

@@ -16,7 +16,7 @@ from .errors import CompiledSpecError
 from .gguf_checkpoint import is_gguf, read_gguf
 from .model.causal_lm import CausalLM
 from .model.half_weight_linear import store_drafts_in_half
-from .runtime.huge_pages import copies_on_huge_pages
+from .huge_pages import copies_on_huge_pages
 
 
 @dataclass(frozen=True)

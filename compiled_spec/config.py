@@ -162,6 +162,8 @@ class ModelConfig:
 
 
 MAX_SPECULATIVE_TOKENS = 8
+# The largest k auto may choose unless told otherwise.
+DEFAULT_MAX_SPECULATIVE_TOKENS = 3
 AUTO = "auto"
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -198,7 +200,7 @@ def draft_dtype_name(draft_dtype, engine_dtype: str) -> str:
 @dataclass(slots=True)
 class EngineConfig:
     num_speculative_tokens: int | str = 3  # or "auto": chosen per step, 0..max_speculative_tokens
-    max_speculative_tokens: int = 3
+    max_speculative_tokens: int = DEFAULT_MAX_SPECULATIVE_TOKENS
     graph_mode: GraphMode = GraphMode.EAGER
     max_batch_size: int = 8
     max_seq_len: int = 512

@@ -1,6 +1,7 @@
 """Inductor passes for the compiled speculative step, installed through one SpecPassManager."""
 
-from .errors import GraphAuditError
+from compiled_spec.errors import GraphAuditError
+
 from .manager import SpecPassManager, default_passes
 
 __all__ = ["GraphAuditError", "SpecPassManager", "default_passes"]

@@ -41,8 +41,6 @@ from torch.utils import _pytree as pytree
 
 from compiled_spec.hisparse import fused, reference
 
-FUSED_OP = torch.ops.compiled_spec.hisparse_attention.default
-
 
 def _top_k(config, index_keys) -> int:
     return min(config.top_k_tokens, index_keys.shape[1])

@@ -13,8 +13,9 @@ from dataclasses import dataclass, field
 import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
+from compiled_spec.errors import GraphAuditError
+
 from .audit import AuditPass
-from .errors import GraphAuditError
 from .graph_inputs import is_branch_graph
 from .state_mutation import StateMutationPass
 

@@ -14,7 +14,7 @@ from click.testing import CliRunner
 import cli
 from compiled_spec import GraphMode
 from compiled_spec.cli_format import Streamer
-from compiled_spec.config import MAX_SPECULATIVE_TOKENS
+from compiled_spec.config import DEFAULT_MAX_SPECULATIVE_TOKENS, MAX_SPECULATIVE_TOKENS
 from compiled_spec.training.mtp_corpus import DOMAINS
 from compiled_spec.training.train_tokenizer import train_byte_level_bpe
 from tiny_checkpoints import write_checkpoint
@@ -156,6 +156,7 @@ def test_cli_choices_mirror_the_engine():
     assert cli.GRAPH_MODES == tuple(mode.value for mode in GraphMode)
     assert cli.DOMAINS == DOMAINS
     assert cli.MAX_SPECULATIVE_TOKENS == MAX_SPECULATIVE_TOKENS
+    assert cli.DEFAULT_MAX_SPECULATIVE_TOKENS == DEFAULT_MAX_SPECULATIVE_TOKENS
 
 
 def test_stream_never_prints_a_stop_string():

@@ -14,17 +14,24 @@ from types import SimpleNamespace
 import pytest
 import sympy
 import torch
+import torch._inductor.compile_fx  # noqa: F401  first: cpp_template_kernel imported on its own is a circular import
 from torch._inductor import cpp_builder, cpu_vec_isa
+from torch._inductor.codegen import cpp_template_kernel
 from torch._inductor.codegen.common import KernelTemplate
 
 from compiled_spec.config import GraphMode
-from compiled_spec.runtime import inductor_compile_time
-from compiled_spec.runtime.graph_modes import inductor_options, spec_backend
-from compiled_spec.runtime.inductor_compile_time import REALIZE_OPCOUNT_THRESHOLD
+from compiled_spec.runtime import inductor_compile_time, torch_patches
+from compiled_spec.runtime.graph_modes import REALIZE_OPCOUNT_THRESHOLD, inductor_options, spec_backend
 from compiled_spec.runtime.micro_gemm_kernel import PREFETCH_DISTANCE, TEMPLATE_ENTRY_AS_SHIPPED, cpp_micro_gemm
 from compiled_spec.speculative import rng
 from passes import SpecPassManager
 from passes.manager import PassContext
+
+
+@pytest.fixture(autouse=True, scope="module")
+def patched_torch():
+    """The changes these tests check are installed with the first compiled runner; here without one."""
+    torch_patches.install()
 
 
 def test_a_kernel_template_source_is_parsed_once_and_renders_as_before():
@@ -36,7 +43,7 @@ def test_a_kernel_template_source_is_parsed_once_and_renders_as_before():
 
 
 def test_a_template_index_expression_is_parsed_once_into_integer_symbols(monkeypatch):
-    template_kernel = inductor_compile_time.cpp_template_kernel
+    template_kernel = cpp_template_kernel
     parsed, parse_expr = [], template_kernel.parse_expr
     monkeypatch.setattr(template_kernel, "parse_expr", lambda text: parsed.append(text) or parse_expr(text))
     text = "256*row_of_this_test + column_of_this_test"

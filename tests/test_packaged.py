@@ -5,16 +5,19 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import torch
 
 from compiled_spec import LLM
 from compiled_spec.config import GraphMode
-from compiled_spec.runtime import micro_gemm_kernel
+from compiled_spec.runtime import torch_patches
 from compiled_spec.runtime.graph_modes import inductor_options
-from compiled_spec.runtime.packaged import DynamicSize, model_digest, package_key, static_bucket
+from compiled_spec.runtime.packaged import (DynamicSize, code_digest, graph_code_files, model_digest, package_key,
+                                           static_bucket)
 from compiled_spec.speculative.step import prefill, speculative_step
 
 ENGINE = dict(num_speculative_tokens=2, max_batch_size=4, max_seq_len=32, warm_up=False)
@@ -47,6 +50,40 @@ def test_the_key_changes_with_what_the_compiled_code_depends_on(tiny_checkpoint)
     with torch.no_grad():
         weight[7] = torch.nextafter(weight[7], torch.tensor(float("inf")))  # the last bit of one weight
     assert key(llm) != base
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_the_code_in_the_key_is_what_shapes_graphs_not_the_programs_around_them():
+    hashed = {path.relative_to(ROOT).as_posix() for path in graph_code_files()}
+    assert {"compiled_spec/model/layers.py", "compiled_spec/model/decode_attention.cpp",
+            "compiled_spec/speculative/step.py", "compiled_spec/speculative/state.py", "compiled_spec/hisparse/fused.py", "passes/state_mutation.py",
+            "compiled_spec/runtime/graph_modes.py", "compiled_spec/runtime/torch_patches.py",
+            "compiled_spec/runtime/micro_gemm_kernel.py", "compiled_spec/config.py"} <= hashed
+    outside = ("compiled_spec/server/", "compiled_spec/training/", "benchmarks/", "cli.py", "compiled_spec/api.py",
+               "compiled_spec/runtime/engine.py", "compiled_spec/compile_worker.py")
+    assert [path for path in hashed if path.startswith(outside)] == []
+
+
+def test_the_code_key_keeps_when_a_server_or_training_file_changes_and_changes_with_a_model_file(tmp_path):
+    """On a copy of the sources, so that no real file is edited."""
+    for folder in ("compiled_spec", "passes"):
+        shutil.copytree(ROOT / folder, tmp_path / folder, ignore=lambda _, names: [
+            name for name in names if "." in name and not name.endswith((".py", ".cpp"))])
+    base = code_digest(tmp_path)
+
+    def edited(path: str) -> str:
+        with open(tmp_path / path, "a") as source:
+            source.write("\n# edited\n")
+        code_digest.cache_clear()
+        return code_digest(tmp_path)
+
+    assert edited("compiled_spec/server/app.py") == base
+    assert edited("compiled_spec/training/train_mtp.py") == base
+    assert edited("compiled_spec/api.py") == base
+    assert edited("compiled_spec/model/layers.py") != base
+    code_digest.cache_clear()
 
 
 def test_one_prefill_package_covers_every_prompt_width_in_its_range(tiny_checkpoint):
@@ -103,7 +140,8 @@ def test_engines_that_draft_and_that_do_not_get_the_cpp_template_and_its_changed
             assert function.options["max_autotune_gemm_backends"] == "CPP" and function.options["freezing"]
             assert "cpp.weight_prepack" not in function.options
             # A package or FX graph compiled from the micro-kernel as torch ships it is not reused for the changed one.
-            assert function.manager.context.options["micro_gemm"] == micro_gemm_kernel.CACHE_KEY
+            assert function.manager.context.options["torch_patches"] == torch_patches.cache_key()
+    assert torch_patches.installed()["fp32 micro-kernel: registers and prefetch"] != torch_patches.AS_SHIPPED
 
 
 # Names the step package a fresh process's engine expects before it builds the attention kernel (as a tiered start

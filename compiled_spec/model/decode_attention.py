@@ -18,7 +18,7 @@ import time
 import warnings
 from pathlib import Path
 
-import torch
+from . import cpu_kernel_ops  # noqa: F401  the schemas of the ops the build registers
 
 SOURCES = [Path(__file__).with_suffix(".cpp"), Path(__file__).with_name("half_weight_linear.cpp")]
 log = logging.getLogger(__name__)
@@ -70,8 +70,6 @@ def load() -> bool:
     from torch._inductor import cpu_vec_isa
     from torch.utils import cpp_extension
 
-    from . import half_weight_linear  # noqa: F401  defines the op the build registers
-
     isa = cpu_vec_isa.pick_vec_isa()
     name, flags = f"compiled_spec_cpu_kernels_{_isa_name(isa)}", build_flags(isa)
     start = time.perf_counter()
@@ -101,13 +99,3 @@ def _first_error(text: str) -> str:
     lines = text.strip().splitlines()
     errors = [line.strip() for line in lines if "error:" in line]
     return (errors[0] if errors else lines[0] if lines else "unknown error")[:300]
-
-
-torch.library.define(
-    "compiled_spec_cpu::decode_attention", "(Tensor q, Tensor keys, Tensor values, Tensor attend) -> Tensor"
-)
-
-
-@torch.library.register_fake("compiled_spec_cpu::decode_attention")
-def _(q, keys, values, attend):
-    return torch.empty_like(q, memory_format=torch.contiguous_format)

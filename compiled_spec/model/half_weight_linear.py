@@ -16,13 +16,6 @@ from torch import nn
 from . import decode_attention
 from .layers import MLP, Attention
 
-torch.library.define("compiled_spec_cpu::half_weight_linear", "(Tensor x, Tensor weight) -> Tensor")
-
-
-@torch.library.register_fake("compiled_spec_cpu::half_weight_linear")
-def _(x, weight):
-    return x.new_empty(*x.shape[:-1], weight.shape[0])
-
 
 # The most rows the kernel takes (as half_weight_linear.cpp): a decode step's draft depth d runs over k + d rows per
 # sequence, times the batch.

@@ -1,7 +1,7 @@
 """Full packages compiled by child processes: in the background for a tiered start (the engine decodes in eager
 meanwhile), or waited for by a full warm-up that has several graphs to make.
 
-The child (runtime/compile_worker.py) builds the same engine from the same LLM arguments in each of its worker
+The child (compiled_spec/compile_worker.py) builds the same engine from the same LLM arguments in each of its worker
 processes and compiles the missing packages into the shared package folder (runtime/packaged.py); the engine loads
 them once every one exists (a tiered start switches to them between two steps). The child runs in a session of its
 own and writes only files, so it finishes even when the process that started it exits first: a later process loads
@@ -30,7 +30,7 @@ Graph = tuple[str, int, "int | None"]  # (kind, size, k) as Engine.warm_up_graph
 
 
 WORKERS_VARIABLE = "COMPILED_SPEC_COMPILE_WORKERS"
-WORKER_MODULE = "compiled_spec.runtime.compile_worker"
+WORKER_MODULE = "compiled_spec.compile_worker"
 
 
 def compile_worker_count(requested: int | None, graphs: int) -> int:

@@ -12,6 +12,9 @@ In piecewise and full the runner captures the state's buffers once and calls eve
 exactly those buffers, as a replayed CUDA graph would: anything that rebinds a state field
 instead of writing into its buffer is invisible to the graph (and the passes make sure the step
 itself never does).
+
+The first compiled runner (or spec_backend) installs compiled-spec's changes to torch (torch_patches); eager
+changes nothing in torch.
 """
 
 from __future__ import annotations
@@ -33,44 +36,28 @@ from ..model import decode_attention
 from ..model.layers import COMPILED_ATTENTION_MAX_ROWS, DECODE_ATTENTION_MAX_ROWS
 from ..speculative.state import DecodeState
 from ..speculative.step import StepConstants, prefill, speculative_step, state_writes
-from . import shared_constants
-from .inductor_compile_time import (
-    REALIZE_OPCOUNT_THRESHOLD,
-    build_objects_at_once,
-    compile_shared_micro_gemms,
-    keep_parsed_index_expressions,
-    keep_parsed_kernel_templates,
-)
-from .micro_gemm_kernel import CACHE_KEY, use_changed_micro_gemm
+from . import shared_constants, torch_patches
 from .packaged import AheadOfTimeCompiled, DynamicSize, model_digest
-
-# Every bucket of every engine in a process is a separate specialization of the same functions.
-torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 512)
-torch._dynamo.config.accumulated_recompile_limit = max(torch._dynamo.config.accumulated_recompile_limit, 4096)
-keep_parsed_kernel_templates()
-keep_parsed_index_expressions()
-compile_shared_micro_gemms()
-build_objects_at_once()
 
 # The shortest prompt width the one prefill package of full on CPU takes: at fewer rows attention takes another path
 # (decode_attention or grouped_attention), a branch a package of every length cannot hold. Shorter prompts are
 # padded to it.
 PACKAGED_PREFILL_MIN_WIDTH = max(DECODE_ATTENTION_MAX_ROWS, COMPILED_ATTENTION_MAX_ROWS) + 1
-# The one step package of full on CPU takes every batch from 1 up to the largest batch bucket. A package of batch 1's
-# own stepped 1-4% faster at batch 1, but was a third graph for the default buckets' cold start (docs/graph-modes.md).
-PACKAGED_STEP_MIN_BATCH = 1
 # Below this largest batch the batch buckets keep static packages: a range of 2 sizes does not pay for the dynamic
 # batch's longer compile (its traces carry the batch as a symbol).
 PACKAGED_STEP_MIN_LARGEST_BATCH = 3
 
-# full on CPU compiles every GEMM with the C++ GEMM template, whose micro-kernel keeps its accumulators (and on AVX2
-# its weight vectors) in registers and prefetches the weights over several rows (micro_gemm_kernel): a step that
-# verifies k+1 rows then streams them about as fast as a one-row step does. Without that, ATen's GEMMs were faster
-# for an engine that drafts (docs/cpu-performance.md, "GEMMs").
-MICRO_GEMM_CHANGED = use_changed_micro_gemm()
+# Inductor inlines a pointwise node into each of its uses until the inlined function has this many ops (default: 50
+# on CPU), and lowering evaluates the inlined function again for each use. The sampler's counter-based hash
+# (speculative/rng.py) uses every intermediate twice (x ^ (x >> 16)), three mix32 deep, so its expression trees
+# doubled per stage: one uniform draw over the vocabulary took 41 s to compile alone (7.6 s for a trivial graph),
+# and a default-model step and prefill graph 209 s together. Realized at 16 ops, the draw compiles in 8 s and runs
+# as fast, and the two graphs in 124 s.
+REALIZE_OPCOUNT_THRESHOLD = 16
 
 
 def inductor_options(mode: GraphMode, device: torch.device) -> dict:
+    """Inductor's options for a graph mode (the patches torch_patches installs come on top, in every mode)."""
     return {**_mode_options(mode, device), "realize_opcount_threshold": REALIZE_OPCOUNT_THRESHOLD}
 
 
@@ -80,9 +67,13 @@ def _mode_options(mode: GraphMode, device: torch.device) -> dict:
         options = dict(torch._inductor.list_mode_options("max-autotune"))
         if not cuda:
             # Packaged ahead of time: no graph replay on CPU, and freezing for the C++ GEMM templates, the only GEMM
-            # choice. They won all 24 autotunes below 16 rows here (by 1.18-8.8x), and ATen 18 of 26 at 16-64 rows,
-            # but ATen's choice pre-packs its weight into an opaque MKL-DNN tensor, which cannot be stored outside
-            # the package (shared_constants). One choice is not benchmarked, which also shortens the compile.
+            # choice. Their micro-kernel, as torch_patches changes it, keeps its accumulators (and on AVX2 its weight
+            # vectors) in registers and prefetches the weights over several rows (micro_gemm_kernel): a step that
+            # verifies k+1 rows then streams them about as fast as a one-row step does. Without that, ATen's GEMMs
+            # were faster for an engine that drafts ("GEMMs of an engine that drafts, on CPU", README). The
+            # templates won all 24 autotunes below 16 rows here (by 1.18-8.8x), and ATen 18 of 26 at 16-64 rows, but
+            # ATen's choice pre-packs its weight into an opaque MKL-DNN tensor, which cannot be stored outside the
+            # package (shared_constants). One choice is not benchmarked, which also shortens the compile.
             options.update({"freezing": True, "triton.cudagraphs": False, "max_autotune_gemm_backends": "CPP"})
         return options
     if mode == GraphMode.PIECEWISE:
@@ -96,6 +87,7 @@ def _mode_options(mode: GraphMode, device: torch.device) -> dict:
 
 def spec_backend(options: dict, manager: SpecPassManager):
     """A torch.compile backend: inductor with the given options and our passes installed."""
+    torch_patches.install()
 
     def backend(gm: torch.fx.GraphModule, example_inputs):
         with named_inputs(source_names(gm)):
@@ -137,8 +129,9 @@ class StepRunner:
         largest prompt width prefill is called with (the largest prefill bucket); with it, full on CPU compiles
         one prefill package (per k) for every width from PACKAGED_PREFILL_MIN_WIDTH up to it (prefill_widths).
         batch_size: the largest batch step is called with (the largest batch bucket); with it, full on CPU compiles
-        one step package (per k) for every batch from PACKAGED_STEP_MIN_BATCH up to it (step_batches), when it is
-        PACKAGED_STEP_MIN_LARGEST_BATCH or more."""
+        one step package (per k) for every batch from 1 up to it (step_batches), when it is
+        PACKAGED_STEP_MIN_LARGEST_BATCH or more. (A package of batch 1's own stepped 1-4% faster at batch 1, but was
+        a third graph for the default buckets' cold start: README, Start-up.)"""
         self.mode = mode
         self.state = state
         self.draft_lengths = draft_lengths
@@ -159,6 +152,7 @@ class StepRunner:
         self._lanes: dict[int, torch.Tensor] = {}  # batch size -> the tensor the one step package takes for it
         if mode == GraphMode.EAGER:
             return
+        torch_patches.install()
         device = state.seq_lens.device
         if device.type == "cuda":
             for tensor in graph_state.tensors() + [constants.rope_cos, constants.rope_sin, constants.eos_ids]:
@@ -170,7 +164,7 @@ class StepRunner:
         if options.get("freezing") and prefill_width is not None and prefill_width > PACKAGED_PREFILL_MIN_WIDTH:
             self.prefill_widths = (PACKAGED_PREFILL_MIN_WIDTH, prefill_width)
         if options.get("freezing") and batch_size is not None and batch_size >= PACKAGED_STEP_MIN_LARGEST_BATCH:
-            self.step_batches = (PACKAGED_STEP_MIN_BATCH, batch_size)
+            self.step_batches = (1, batch_size)
 
         def compiled(name: str, function, num_drafts: int | None = None):
             context = PassContext(
@@ -178,7 +172,7 @@ class StepRunner:
                 options={**options, **({"hisparse": repr(constants.hisparse)} if constants.hisparse else {}),
                          **({"decode_attention": decode_attention.loaded()}
                             if device.type == "cpu" and not options.get("freezing") else {}),
-                         **({"micro_gemm": CACHE_KEY} if MICRO_GEMM_CHANGED and options.get("freezing") else {})},
+                         "torch_patches": torch_patches.cache_key()},
             )
             manager = SpecPassManager(passes if passes is not None else default_passes(constants.hisparse), context)
             self.managers[name] = manager

@@ -1,4 +1,5 @@
-"""Inductor's compile time: what cuts it without changing the compiled code's speed."""
+"""Inductor's compile time: what cuts it without changing the compiled code's speed. Each piece here is a replacement
+for one of inductor's functions; torch_patches.py installs them."""
 
 from __future__ import annotations
 
@@ -12,41 +13,26 @@ import threading
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 import sympy
-import torch._inductor.compile_fx  # noqa: F401  first: cpp_template_kernel imported on its own is a circular import
+import torch._inductor.compile_fx  # noqa: F401  first: inductor's codegen imported on its own is a circular import
 from torch._inductor import cpp_builder, cpu_vec_isa
-from torch._inductor.codecache import LOCK_TIMEOUT, AotCodeCompiler
-from torch._inductor.codegen import cpp_template_kernel
-from torch._inductor.codegen.common import KernelTemplate
+from torch._inductor.codecache import LOCK_TIMEOUT
 from torch._inductor.cpp_builder import CppBuilder
 from torch._inductor.runtime.cache_dir_utils import cache_dir
 from torch.utils._filelock import FileLock
 
-# Inductor inlines a pointwise node into each of its uses until the inlined function has this many ops (default: 50
-# on CPU), and lowering evaluates the inlined function again for each use. The sampler's counter-based hash
-# (speculative/rng.py) uses every intermediate twice (x ^ (x >> 16)), three mix32 deep, so its expression trees
-# doubled per stage: one uniform draw over the vocabulary took 41 s to compile alone (7.6 s for a trivial graph),
-# and a default-model step and prefill graph 209 s together. Realized at 16 ops, the draw compiles in 8 s and runs
-# as fast, and the two graphs in 124 s.
-REALIZE_OPCOUNT_THRESHOLD = 16
+def templates_parsed_once(template_from_string):
+    """KernelTemplate._template_from_string, keeping each parsed template. Inductor parses the jinja source of a C++
+    GEMM template's parts (ten sources) again for every GEMM it renders, and renders each GEMM twice: 2800 parses for
+    the default model's step and prefill graphs (140 GEMMs), and more with depth. The parsed template depends on the
+    source alone, so it is kept: the two graphs compiled in 106 s instead of 124."""
+    return functools.cache(template_from_string)
 
 
-def keep_parsed_kernel_templates() -> None:
-    """Inductor parses the jinja source of a C++ GEMM template's parts (ten sources) again for every GEMM it renders,
-    and renders each GEMM twice: 2800 parses for the default model's step and prefill graphs (140 GEMMs), and more
-    with depth. The parsed template depends on the source alone, so it is kept: the two graphs compiled in 106 s
-    instead of 124."""
-    if not hasattr(KernelTemplate._template_from_string, "cache_info"):
-        KernelTemplate._template_from_string = staticmethod(functools.cache(KernelTemplate._template_from_string))
-
-
-def keep_parsed_index_expressions() -> None:
-    """A C++ template kernel parses its index expressions from text with sympy (parse_expr_with_index_symbols) each
-    time it renders: the default model's batch-1 k=3 step and 16-token prefill made 5599 such calls over 12 distinct
-    texts, 7.2 s of their 164 s compile. The parse depends on the text alone and sympy expressions are immutable, so
-    each text is parsed once per process."""
-    parse = cpp_template_kernel.parse_expr_with_index_symbols
-    if getattr(parse, "keeps_parsed", False):
-        return
+def index_expressions_parsed_once(parse):
+    """cpp_template_kernel.parse_expr_with_index_symbols, parsing each text once per process. A C++ template kernel
+    parses its index expressions from text with sympy each time it renders: the default model's batch-1 k=3 step and
+    16-token prefill made 5599 such calls over 12 distinct texts, 7.2 s of their 164 s compile. The parse depends on
+    the text alone and sympy expressions are immutable."""
     parsed_text = functools.cache(parse)
 
     def parse_once(expr):
@@ -54,8 +40,7 @@ def keep_parsed_index_expressions() -> None:
             return parse(expr)  # an expression as it is; a sequence element by element, through parse_once
         return parsed_text(str(expr))
 
-    parse_once.keeps_parsed = True
-    cpp_template_kernel.parse_expr_with_index_symbols = parse_once
+    return parse_once
 
 
 _MICRO_GEMM = re.compile(r"inline void (\w+)_micro_gemm_kernel\(")
@@ -95,17 +80,14 @@ def share_micro_gemms(kernel_code: str) -> str:
     return "".join(pieces)
 
 
-def compile_shared_micro_gemms() -> None:
-    """Every AOTInductor compile in this process gets its kernel source through share_micro_gemms."""
-    compile_library = AotCodeCompiler.compile.__func__
-    if getattr(compile_library, "shares_micro_gemms", False):
-        return
+def micro_gemms_shared(compile_library):
+    """AotCodeCompiler.compile (its function, under the classmethod) that gets its kernel source through
+    share_micro_gemms."""
 
     def compile_with_shared_micro_gemms(cls, graph, wrapper_code, kernel_code, *args, **kwargs):
         return compile_library(cls, graph, wrapper_code, share_micro_gemms(kernel_code), *args, **kwargs)
 
-    compile_with_shared_micro_gemms.shares_micro_gemms = True
-    AotCodeCompiler.compile = classmethod(compile_with_shared_micro_gemms)
+    return compile_with_shared_micro_gemms
 
 
 # The two object files of an AOTInductor library, built one after the other by AotCodeCompiler.compile.
@@ -174,17 +156,14 @@ def _interface_object(interface: str, command: str, source: str, target: str) ->
     return path
 
 
-def build_objects_at_once() -> None:
-    """Every AOTInductor compile in this process builds its object files at once and links when all are done, and
-    builds the runtime interface (the opening quarter of each wrapper source, the same in every graph) once per
-    cache folder instead of in every wrapper.
+def objects_built_at_once(compile_library):
+    """AotCodeCompiler.compile (its function, under the classmethod) that builds its object files at once and links
+    when all are done, and builds the runtime interface (the opening quarter of each wrapper source, the same in every
+    graph) once per cache folder instead of in every wrapper. It replaces CppBuilder.build while it runs.
 
     AotCodeCompiler builds the wrapper's and the kernels' objects one after the other: for the default model's
     batch-1 step 11.4 s and 7.7 s. Its wrapper took 14.9 s at -O1 in one measurement, 11.2 s without the interface,
     and the interface 4.3 s alone. The objects compiled are the same code as before, split in two files."""
-    compile_library = AotCodeCompiler.compile.__func__
-    if getattr(compile_library, "builds_objects_at_once", False):
-        return
     build = CppBuilder.build
     pool = ThreadPoolExecutor(len(_OBJECT_SOURCES) + 1, thread_name_prefix="object-build")
 
@@ -222,8 +201,7 @@ def build_objects_at_once() -> None:
             job.result()
         return library
 
-    compile_with_objects_at_once.builds_objects_at_once = True
-    AotCodeCompiler.compile = classmethod(compile_with_objects_at_once)
+    return compile_with_objects_at_once
 
 
 _isa_probes: list[Future] | None = None

@@ -27,8 +27,8 @@ weights prefetched when it computes more than one row, and on AVX2 each weight v
   against 15.08, 16 rows 19.59 against 22.46; 41 rows 47.30 against 46.99 (their FMAs bound them, so the split
   stops at 4 row blocks); 4 rows, one block, unchanged. A k=4 step verifies 5 rows, a k=3 step at batch 2 8.
 
-All four change the template's source once per process. A torch whose template reads otherwise keeps that part as it
-is: slower, as correct.
+torch_patches.py installs the first three (the kernel) and the fourth (the entry) as two patches, each once per
+process. A torch whose template reads otherwise keeps that part as it is: slower, as correct.
 """
 
 from __future__ import annotations
@@ -85,14 +85,8 @@ _ACCUMULATOR_READS = [
     ("vc[i].store(", "Vectorized(vc[i]).store("),
 ]
 
-# What packages' and inductor's cache keys take, so that code compiled from the template as torch ships it is not
-# reused for this one, nor the other way round.
-CACHE_KEY = (f"fp32 micro-kernel: raw accumulators; prefetch {PREFETCH_DISTANCE} k-steps ahead into L2 over several "
-             "rows; AVX2 weight vectors held in registers; AVX2 entry walks K in chunks of the prefetch distance over "
-             f"2-{SPLIT_MAX_ROW_BLOCKS} row blocks")
-
-
-def _changed(template: str) -> str | None:
+def changed_kernel(template: str) -> str | None:
+    """The kernel template with the changes above, or None where it does not read as expected."""
     start, end = template.find(_PLAIN_B_START), template.find(_PLAIN_B_END)
     if start < 0 or end < 0:
         return None
@@ -119,7 +113,8 @@ _CHUNKED_K = f"""#if defined(CPU_CAPABILITY_AVX2)
 """
 
 
-def _chunked(entry: str) -> str | None:
+def chunked_entry(entry: str) -> str | None:
+    """The entry template walking K in chunks, or None where it does not read as expected."""
     start, end = entry.find(_ROW_BLOCKS_LOOP), entry.rfind("}")
     if start < 0:
         return None
@@ -142,16 +137,3 @@ def _chunked(entry: str) -> str | None:
 
 TEMPLATE_KERNEL_AS_SHIPPED = cpp_micro_gemm.CppMicroGemmFP32Vec.TEMPLATE_KERNEL
 TEMPLATE_ENTRY_AS_SHIPPED = cpp_micro_gemm.CppMicroGemmFP32Vec.TEMPLATE_ENTRY
-_TEMPLATE_KERNEL_CHANGED = _changed(TEMPLATE_KERNEL_AS_SHIPPED)
-_TEMPLATE_ENTRY_CHANGED = _chunked(TEMPLATE_ENTRY_AS_SHIPPED)
-
-
-def use_changed_micro_gemm() -> bool:
-    """Makes the fp32 micro-kernel and its entry the ones above. False when this torch's kernel template does not read
-    as expected: then both stay as shipped."""
-    if _TEMPLATE_KERNEL_CHANGED is None:
-        return False
-    cpp_micro_gemm.CppMicroGemmFP32Vec.TEMPLATE_KERNEL = _TEMPLATE_KERNEL_CHANGED
-    if _TEMPLATE_ENTRY_CHANGED is not None:
-        cpp_micro_gemm.CppMicroGemmFP32Vec.TEMPLATE_ENTRY = _TEMPLATE_ENTRY_CHANGED
-    return True

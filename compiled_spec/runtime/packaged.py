@@ -8,13 +8,15 @@ fullgraph=True), compiled by inductor with full's options (max-autotune, freezin
 and saved under the inductor cache dir; a process that needs the same bucket loads it in milliseconds.
 
 A package has no guards, so its key covers everything the compiled code depends on: the weights' bytes
-(frozen into it), the constants, the state's layout, the bucket, the function and this project's code,
-the passes, the options, torch and the CPU. The frozen weights themselves are not in the package: they are
-stored once beside the packages and bound at load (shared_constants).
+(frozen into it), the constants, the state's layout, the bucket, the function and the code that shapes
+graphs (graph_code_files), the passes, the options (torch's patches among them), torch and the CPU. The
+frozen weights themselves are not in the package: they are stored once beside the packages and bound at
+load (shared_constants).
 """
 
 from __future__ import annotations
 
+import ast
 import functools
 import hashlib
 import inspect
@@ -37,7 +39,6 @@ from passes.graph_inputs import named_inputs
 from ..model import decode_attention
 from ..speculative.state import DecodeState
 from . import shared_constants
-from .inductor_compile_time import probe_vector_isas_in_background
 
 PACKAGE_FOLDER = "compiled_spec_packages"
 # Constants (the frozen, pre-packed weights) stay out of the shared library; shared_constants stores them once.
@@ -162,6 +163,8 @@ class AheadOfTimeCompiled:
         return package
 
     def _compile(self, program: BucketProgram, state: DecodeState, args, path: Path) -> None:
+        from .inductor_compile_time import probe_vector_isas_in_background
+
         probe_vector_isas_in_background()  # needed by lowering; the g++ checks run while export traces
         state_tensors = state.tensors()
         inputs = tuple(state_tensors) + tuple(arg for arg in args if isinstance(arg, torch.Tensor))
@@ -227,7 +230,7 @@ def package_key(function, passes_uuid: str, options: dict, model_key: str, state
             digest.update(b"\0")
 
     add(torch.__version__, torch.backends.cpu.get_cpu_capability(), torch.get_num_threads())
-    add(_code_digest(), function.__module__, function.__qualname__, inspect.getsource(inspect.getmodule(function)))
+    add(code_digest(), function.__module__, function.__qualname__, inspect.getsource(inspect.getmodule(function)))
     add(passes_uuid, sorted(options.items()), model_key)
     add([(name, tensor.shape, tensor.dtype, tensor.device) for name, tensor in state.named_tensors()])
     add(bucket, [arg.dtype for arg in args if isinstance(arg, torch.Tensor)])
@@ -244,10 +247,58 @@ def model_digest(model, constants) -> str:
     return digest.hexdigest()
 
 
+# Where the code that shapes compiled graphs starts: the model, the speculative step and state, HiSparse, the passes,
+# and the runtime modules that build graphs and install torch's patches. graph_code_files() adds what they import.
+GRAPH_CODE = ("compiled_spec/model", "compiled_spec/speculative", "compiled_spec/hisparse", "passes",
+              "compiled_spec/runtime/graph_modes.py", "compiled_spec/runtime/packaged.py",
+              "compiled_spec/runtime/shared_constants.py", "compiled_spec/runtime/torch_patches.py")
+_PROJECT_PACKAGES = ("compiled_spec", "passes")
+
+
+def graph_code_files(root: Path = _PROJECT_ROOT) -> list[Path]:
+    """The sources every package's key hashes: GRAPH_CODE, every module of this project they import (at any depth,
+    with the packages around them), and the C++ sources beside those modules. Not the API, the engine's scheduling,
+    the server, training, the CLI or the benchmarks: editing those keeps the compiled packages."""
+    pending = [path for entry in GRAPH_CODE for path in
+               ((root / entry).rglob("*.py") if (root / entry).is_dir() else [root / entry])]
+    found: set[Path] = set()
+    while pending:
+        path = pending.pop()
+        if path is None or path in found or not path.is_file():
+            continue
+        found.add(path)
+        package = path.parent.relative_to(root).parts
+        pending += [root.joinpath(*package[:depth], "__init__.py") for depth in range(1, len(package) + 1)]
+        pending += [_module_file(root, name) for name in _imported_modules(path, package)]
+    return sorted(found | {cpp for path in found for cpp in path.parent.glob("*.cpp")})
+
+
+def _imported_modules(path: Path, package: tuple[str, ...]) -> list[str]:
+    """Dotted names of this project's modules (or their attributes) that a source imports, at top level or inside
+    a function."""
+    names = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names += [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = ".".join(package[:len(package) - node.level + 1] if node.level else ())
+            module = ".".join(part for part in (base, node.module or "") if part)
+            names += [module] + [f"{module}.{alias.name}" for alias in node.names]  # an alias may be a module
+    return [name for name in names if name.split(".")[0] in _PROJECT_PACKAGES]
+
+
+def _module_file(root: Path, name: str) -> Path | None:
+    folder = root.joinpath(*name.split("."))
+    for path in (folder.with_suffix(".py"), folder / "__init__.py"):
+        if path.is_file():
+            return path
+    return None
+
+
 @functools.cache
-def _code_digest() -> str:
+def code_digest(root: Path = _PROJECT_ROOT) -> str:
+    """sha256 of graph_code_files(root): their paths and text."""
     digest = hashlib.sha256()
-    for folder in ("compiled_spec", "passes"):
-        for source in sorted([*(_PROJECT_ROOT / folder).rglob("*.py"), *(_PROJECT_ROOT / folder).rglob("*.cpp")]):
-            digest.update(str(source.relative_to(_PROJECT_ROOT)).encode() + source.read_bytes())
+    for source in graph_code_files(root):
+        digest.update(str(source.relative_to(root)).encode() + source.read_bytes())
     return digest.hexdigest()

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from torch._inductor.codecache import AotCodeCompiler
 
-from compiled_spec.runtime.huge_pages import copies_on_huge_pages
+from ..huge_pages import copies_on_huge_pages
 
 FOLDER = "constants"
 MANIFEST_NAME = "compiled_spec_constants.json"  # inside the package, beside the shared library

@@ -1,6 +1,5 @@
 """Byte-level BPE tokenizer trained on the training split, saved so AutoTokenizer can load it."""
 from collections.abc import Iterable
-from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
@@ -27,7 +26,3 @@ def train_byte_level_bpe(texts: Iterable[str], vocab_size: int) -> PreTrainedTok
         clean_up_tokenization_spaces=False,
         model_max_length=1024,
     )
-
-
-def save_tokenizer(tokenizer: PreTrainedTokenizerFast, output_dir: Path) -> None:
-    tokenizer.save_pretrained(str(output_dir))

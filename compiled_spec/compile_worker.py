@@ -1,5 +1,6 @@
-"""The child that compiles full packages (runtime/background_compile.py): reads its job (pickled) from stdin and
-compiles each missing graph's package into the shared folder, in `workers` processes at once.
+"""The child that compiles full packages (runtime/background_compile.py starts it): reads its job (pickled) from stdin
+and compiles each missing graph's package into the shared folder, in `workers` processes at once. It builds an LLM,
+so it sits beside the API, above the runtime.
 
 Each graph's compile is single-threaded Python and one g++ run, so N graphs on N cores take about as long as one.
 Every worker builds the same engine in full from the LLM's arguments and takes the next graph when it is done."""

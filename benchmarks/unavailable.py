@@ -1,0 +1,2 @@
+class Unavailable(Exception):
+    """An anchor cannot run on this checkpoint or batch size; the message says why."""
