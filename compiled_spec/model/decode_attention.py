@@ -18,6 +18,8 @@ import time
 import warnings
 from pathlib import Path
 
+import torch
+
 from . import cpu_kernel_ops  # noqa: F401  the schemas of the ops the build registers
 
 SOURCES = [Path(__file__).with_suffix(".cpp"), Path(__file__).with_name("half_weight_linear.cpp")]
