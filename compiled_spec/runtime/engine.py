@@ -148,10 +148,12 @@ class Engine:
         if self.config.graph_mode != GraphMode.EAGER:
             graphs = self.warm_up_graphs()
             paths = [self.runner.package_path(*graph) for graph in graphs]  # None where nothing is packaged
-            for path in paths:
-                if path is not None and path.exists() and (damage := package_damage(path)):
-                    log.warning("compiled-spec: a compiled package in %s is damaged (%s); compiling it again",
-                                path.parent, damage)
+            damaged = {path: damage for path in paths if path is not None and path.exists()
+                       and (damage := package_damage(path))}
+            if damaged:
+                log.warning("compiled-spec: compiled packages in %s are damaged (%s); compiling them again",
+                            next(iter(damaged)).parent, "; ".join(f"{p.name}: {d}" for p, d in damaged.items()))
+                for path in damaged:
                     path.unlink()
             if self.tiered_start and not all(path and path.exists() for path in paths):
                 if (failure := earlier_failure(paths)) is None:

@@ -247,7 +247,9 @@ def create_app(llm: LLM, options: ServerOptions) -> FastAPI:
     async def health():
         if not loop.alive:
             raise APIError(503, "the engine loop has stopped", type="server_error")
-        return {"status": "ok"}
+        # What steps run in now: "full", or during a tiered start "eager (full compiling in the background)" and
+        # then "eager, then full from step N" (a string the engine thread swaps whole: safe to read here).
+        return {"status": "ok", "graph_mode": loop.engine.graph_mode_run()}
 
     @app.get("/metrics")
     async def prometheus_metrics():
