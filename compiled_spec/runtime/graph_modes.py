@@ -84,6 +84,10 @@ def _mode_options(mode: GraphMode, device: torch.device) -> dict:
             # but ATen's choice pre-packs its weight into an opaque MKL-DNN tensor, which cannot be stored outside
             # the package (shared_constants). One choice is not benchmarked, which also shortens the compile.
             options.update({"freezing": True, "triton.cudagraphs": False, "max_autotune_gemm_backends": "CPP"})
+        else:
+            # All or nothing: one captured graph per step. A step that cannot be captured whole raises instead of
+            # being split into partitions (the piecewise fault class) or run uncaptured.
+            options.update({"graph_partition": False, "triton.cudagraph_or_error": True})
         return options
     if mode == GraphMode.PIECEWISE:
         return {
