@@ -22,9 +22,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 MODES = ("compile", "piecewise", "full")
-# saturated: k=3, a pass writes up to 5 rows, so every step evicts. The cold pool on the GPU: a host pool cannot be
+# saturated: k=3, a pass writes up to 6 rows, so every step evicts. The cold pool on the GPU: a host pool cannot be
 # captured, and full raises on what it cannot capture whole.
-HISPARSE = {"off": None, "saturated": dict(top_k_tokens=4, hot_rows=9, cold_pool="device")}
+HISPARSE = {"off": None, "saturated": dict(top_k_tokens=4, hot_rows=10, cold_pool="device")}
 K = 3
 PARITY_ENGINE = dict(num_speculative_tokens=K, max_batch_size=8, max_seq_len=96, batch_buckets=(8,),
                      prefill_buckets=(32,))
