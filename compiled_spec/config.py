@@ -215,6 +215,7 @@ class EngineConfig:
     batch_buckets: tuple[int, ...] | None = None
     prefill_buckets: tuple[int, ...] | None = None
     hisparse: "HiSparseConfig | None" = None
+    verify_graphs_every: int = 0  # the graph canary checks every N-th step against eager; 0: off
 
     def torch_dtype(self):
         import torch
@@ -233,6 +234,9 @@ class EngineConfig:
         return self.max_speculative_tokens if self.auto else self.num_speculative_tokens
 
     def validate(self, model_config: ModelConfig) -> None:
+        every = self.verify_graphs_every
+        if isinstance(every, bool) or not isinstance(every, int) or every < 0:
+            raise CompiledSpecError(f"verify_graphs_every={every!r} must be 0 (off) or a number of steps")
         k = self.num_speculative_tokens
         if self.auto:
             limit = self.max_speculative_tokens
