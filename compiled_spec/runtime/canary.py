@@ -57,22 +57,20 @@ def first_difference(compiled: DecodeState, eager: DecodeState, step: int) -> Di
     for (name, got), (_, want) in zip(compiled.named_tensors(), eager.named_tensors()):
         if name.split("[")[0] in TRASH_ROW_FIELDS:
             got, want = got[:, :-1], want[:, :-1]
+        got, want = got.reshape(got.shape[0], -1), want.reshape(want.shape[0], -1)
+        unequal = (got != want).nonzero()  # [n, 2]: (lane, element); a KV cache differs in this step's rows only
+        if unequal.shape[0] == 0:
+            continue
         if got.is_floating_point():
             rtol, atol = FLOAT_TOLERANCE.get(got.dtype, FLOAT_TOLERANCE[torch.float32])
-            close = torch.isclose(got, want, rtol=rtol, atol=atol) | (got.isnan() & want.isnan())
-            differs = ~close
-        else:
-            differs = got != want
-        if got.dim() == 0:
-            lanes = differs.reshape(1)
-        else:
-            lanes = differs.reshape(got.shape[0], -1).any(1)
-        if bool(lanes.any()):
-            lane = int(lanes.nonzero()[0, 0])
-            where = differs.reshape(got.shape[0], -1)[lane].nonzero()[0, 0] if got.dim() else 0
-            flat_got, flat_want = got.reshape(got.shape[0], -1)[lane], want.reshape(want.shape[0], -1)[lane]
-            detail = f"compiled {flat_got[where].item()!r}, eager {flat_want[where].item()!r} at element {int(where)}"
-            return Divergence(name, lane, step, detail)
+            lanes, elements = unequal.unbind(1)
+            close = torch.isclose(got[lanes, elements], want[lanes, elements], rtol=rtol, atol=atol, equal_nan=True)
+            unequal = unequal[~close]
+            if unequal.shape[0] == 0:
+                continue
+        lane, element = unequal[0].tolist()
+        detail = f"compiled {got[lane, element].item()!r}, eager {want[lane, element].item()!r} at element {element}"
+        return Divergence(name, lane, step, detail)
     return None
 
 
