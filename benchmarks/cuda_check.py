@@ -244,7 +244,8 @@ def run_parity(args, results, replays, left, save, modes=None, label=None, light
                 if left() < 60:
                     results.skipped.append(f"{name} hisparse {level}: {left():.0f} s left")
                     continue
-                skips, partitions = counters["inductor"]["cudagraph_skips"], counters["inductor"]["cudagraph_partitions"]
+                inductor = counters["inductor"]
+                skips, partitions = inductor["cudagraph_skips"], inductor["cudagraph_partitions"]
                 rows = [ParityRow(name, sampling, level) for sampling in groups]
                 try:
                     llm = LLM(graph_mode=mode, device="cuda", hisparse=hisparse, show_progress=False, **PARITY_ENGINE)
@@ -281,8 +282,8 @@ def run_speed(args, results, left, save):
                 continue
             speeds = results.tokens_per_s.setdefault(mode, {})
             try:
-                llm = LLM(graph_mode=mode, device="cuda", num_speculative_tokens=K, max_batch_size=max(args.batch_sizes),
-                          max_seq_len=128, batch_buckets=tuple(sorted(set(args.batch_sizes))), prefill_buckets=(32,),
+                llm = LLM(graph_mode=mode, device="cuda", num_speculative_tokens=K,
+                          max_batch_size=max(args.batch_sizes), max_seq_len=128, batch_buckets=tuple(sorted(set(args.batch_sizes))), prefill_buckets=(32,),
                           show_progress=False)
                 for batch in args.batch_sizes:
                     prompts = [[5 + i, 9, 17, 3, 11, 2, 8, 4] for i in range(batch)]

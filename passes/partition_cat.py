@@ -18,8 +18,8 @@ import torch
 
 _CATS = (torch.ops.aten.cat.default, torch.ops.aten.stack.default)
 _WRAPPERS = tuple(
-    op for op in (getattr(torch.ops.higher_order, name, None) for name in ("auto_functionalized", "auto_functionalized_v2"))
-    if op is not None
+    op for name in ("auto_functionalized", "auto_functionalized_v2")
+    if (op := getattr(torch.ops.higher_order, name, None)) is not None
 )
 
 
@@ -32,7 +32,8 @@ def _op_name(node: torch.fx.Node) -> str | None:
 def _source_line(node: torch.fx.Node) -> str:
     """The innermost compiled_spec frame of the node's stack trace, else the node."""
     trace = node.meta.get("stack_trace") or ""
-    frames = [line.strip() for line in trace.splitlines() if line.strip().startswith("File") and "compiled_spec" in line]
+    frames = [line.strip() for line in trace.splitlines()
+              if line.strip().startswith("File") and "compiled_spec" in line]
     return frames[-1] if frames else node.format_node()
 
 
