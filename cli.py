@@ -132,7 +132,7 @@ def engine_options(command):
                           "a compiled step that wrote anything else is replaced by eager's result, logged, counted "
                           "(compiled_spec:graph_divergence_total in /metrics) and the engine falls back to a safer "
                           "graph mode (full, piecewise -> compile -> eager). 0 is off. [default: off for generate; "
-                          "serve: 256, under 2% of decode throughput]"),
+                          "serve: every 256th step, less often where checks would cost over 2% of decode time]"),
         click.option("--max-batch-size", "max_batch_size", type=int, default=8, show_default=True,
                      help="Prompts decoded together; more prompts wait for a free slot."),
         click.option("--max-seq-len", "max_seq_len", type=int, default=512, show_default=True,
@@ -335,7 +335,7 @@ def serve(model, mtp, draft_vocab_size, draft_dtype, num_speculative_tokens, max
     """
     from compiled_spec.api import DEFAULT_MODEL
     from compiled_spec.errors import CompiledSpecError
-    from compiled_spec.runtime.canary import SERVE_VERIFY_GRAPHS_EVERY
+    from compiled_spec.runtime.canary import SERVE_BUDGET, SERVE_VERIFY_GRAPHS_EVERY
     from compiled_spec.registry import MODELS
     from compiled_spec.server import ServerOptions, serve as run_server
 
@@ -343,6 +343,8 @@ def serve(model, mtp, draft_vocab_size, draft_dtype, num_speculative_tokens, max
                    seed, hisparse, top_k_tokens, hot_rows, cold_dtype, cold_pool, warm_up=False,
                    max_speculative_tokens=max_speculative_tokens, draft_dtype=draft_dtype,  # the engine thread warms up
                    verify_graphs=SERVE_VERIFY_GRAPHS_EVERY if verify_graphs is None else verify_graphs)
+    if verify_graphs is None and llm.engine.canary is not None:  # serve's default rate keeps under its budget
+        llm.engine.canary.budget = SERVE_BUDGET
     if served_model_name:
         name = served_model_name
     elif llm.path == DEFAULT_MODEL:

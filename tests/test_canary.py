@@ -68,7 +68,27 @@ def test_the_rate_is_checked(tiny_checkpoint):
         LLM(tiny_checkpoint("predictive").path, verify_graphs_every=-1, warm_up=False, **ENGINE)
     with pytest.raises(ValueError):
         GraphCanary(0)
-    assert [step for step in range(1, 10) if GraphCanary(4).due(step)] == [4, 8]
+    canary, checked = GraphCanary(4), []
+    for step in range(1, 10):
+        due = canary.due(step)
+        if due:
+            checked.append(step)
+        canary.observe(step, 0.01, due)
+    assert checked == [4, 8]
+
+
+def test_a_budget_stretches_the_interval():
+    canary = GraphCanary(4, budget=0.02)
+    for step in range(1, 4):
+        canary.observe(step, 0.01, checked=False)  # a step: 10 ms
+    canary.extra_seconds = 0.05  # a check: 50 ms more
+    canary.observe(4, 0.06, checked=True)
+    # 50 ms in N steps of 10 ms is at most 2% from N = 50 * 0.98 / (0.02 * 10) = 245 on.
+    assert canary.next_check == 4 + 245
+    unbudgeted = GraphCanary(4)
+    unbudgeted.extra_seconds = 0.05
+    unbudgeted.observe(4, 0.06, checked=True)
+    assert unbudgeted.next_check == 8
 
 
 class HalvedDraftProbs:

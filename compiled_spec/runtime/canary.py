@@ -13,6 +13,10 @@ to the next safer graph mode (full or piecewise -> compile -> eager) before its 
 from __future__ import annotations
 
 import logging
+import math
+import statistics
+import time
+from collections import deque
 from dataclasses import dataclass
 
 import torch
@@ -25,8 +29,10 @@ logger = logging.getLogger("compiled_spec.canary")
 
 # (rtol, atol) for floating fields: compiled and eager kernels sum in different orders.
 FLOAT_TOLERANCE = {torch.float32: (1e-3, 1e-4), torch.float16: (1e-2, 1e-3), torch.bfloat16: (3e-2, 1e-2)}
-# serve's rate: one checked step in 256 cost under 2% of decode throughput (docs/canary.md).
+# serve's rate: at most one checked step in 256, and fewer where a check costs more than SERVE_BUDGET of the time
+# (README, "The graph canary").
 SERVE_VERIFY_GRAPHS_EVERY = 256
+SERVE_BUDGET = 0.02
 SAFER_MODE = {GraphMode.FULL: GraphMode.COMPILE, GraphMode.PIECEWISE: GraphMode.COMPILE,
               GraphMode.COMPILE: GraphMode.EAGER}
 
@@ -75,32 +81,55 @@ def first_difference(compiled: DecodeState, eager: DecodeState, step: int) -> Di
 
 
 class GraphCanary:
-    """Checks every `every`-th step of an engine against eager (engine.step calls checked_step on those)."""
+    """Checks every `every`-th step of an engine against eager (engine.step calls checked_step on those).
 
-    def __init__(self, every: int):
+    budget: a fraction of decode time the checks may take (serve's); a check that costs more than that over `every`
+    steps stretches the interval to the next one: with a check's extra time x and a step's time t, one check in N
+    steps costs x / (N t + x) of the time."""
+
+    def __init__(self, every: int, budget: float | None = None):
         if every < 1:
             raise ValueError(f"verify_graphs_every={every} must be 1 or more")
         self.every = every
-        self.checks = 0
+        self.budget = budget
+        self.next_check = every
+        self.checked_steps: list[int] = []
         self.divergences: list[Divergence] = []
+        self.extra_seconds: float | None = None  # the last check's own time: state copy, eager step, comparison
+        self._step_seconds: deque[float] = deque(maxlen=64)  # unchecked steps
 
     def due(self, step: int) -> bool:
         """Whether the engine's step number `step` (1 = the first) is checked."""
-        return step % self.every == 0
+        return step >= self.next_check
+
+    def observe(self, step: int, seconds: float, checked: bool) -> None:
+        """The engine's step number `step` took `seconds`; after a checked one, sets the next check."""
+        if not checked:
+            self._step_seconds.append(seconds)
+            return
+        interval = self.every
+        if self.budget and self._step_seconds and self.extra_seconds:
+            step_seconds = statistics.median(self._step_seconds)
+            interval = max(interval, math.ceil(self.extra_seconds * (1 - self.budget) / (self.budget * step_seconds)))
+        self.next_check = step + interval
 
     @torch.inference_mode()
     def checked_step(self, engine, batch_size: int, num_drafts: int | None, step: int) -> Divergence | None:
         """Runs the engine's step and the eager step on a copy of its state; on a mismatch leaves the eager result
         in the state, logs it and makes the engine fall back. Returns the mismatch, or None."""
-        self.checks += 1
+        self.checked_steps.append(step)
+        begin = time.perf_counter()
         reference = copy_state(engine.state)
         constants = engine.constants._replace(opaque_attention=False)  # eager mode's own step
         speculative_step(engine.model, reference, constants, batch_size, num_drafts)
+        extra = time.perf_counter() - begin
         if num_drafts is None:
             engine.runner.step(batch_size)
         else:
             engine.runner.step(batch_size, num_drafts)
+        begin = time.perf_counter()
         divergence = first_difference(engine.state, reference, step)
+        self.extra_seconds = extra + time.perf_counter() - begin
         if divergence is None:
             return None
         for tensor, eager in zip(engine.state.tensors(), reference.tensors()):

@@ -375,7 +375,8 @@ class Engine:
         self.last_num_drafts = k
         verified = [min(k, request.valid_drafts) for request in self.slots]
         divergence = None
-        if self.canary and self.runner.mode != GraphMode.EAGER and self.canary.due(self.steps_run + 1):
+        checked = bool(self.canary and self.runner.mode != GraphMode.EAGER and self.canary.due(self.steps_run + 1))
+        if checked:
             divergence = self.canary.checked_step(self, batch, k if self.chooser else None, self.steps_run + 1)
         elif self.chooser:
             self.runner.step(batch, k)
@@ -385,6 +386,8 @@ class Engine:
                                         num_drafts=k, verified=verified)
         seconds = time.perf_counter() - start
         self.steps_run += 1
+        if self.canary:
+            self.canary.observe(self.steps_run, seconds, checked)
         if self.chooser:
             self.chooser.observe_step(bucket, k, seconds, [(v, accepted) for v, (_, accepted) in zip(verified, lanes)])
         return StepRecord(finished, lanes, seconds, k, verified, divergence)
