@@ -4,8 +4,9 @@
                                     [--batch-sizes 1,8] [--budget-s 450] [--max-autotune] [--no-anchor]
 
 Parity: the default model, k=3, the batch sizes as buckets; greedy and seeded requests decoded together, with
-HiSparse off and saturated (every step evicts). For each graph mode x sampling x HiSparse: tokens equal to eager's, per-step accepted
-counts equal to eager's, CUDA graph replays (> 0 for piecewise and full), cudagraph skips (0) and graph partitions.
+HiSparse off and saturated (every step evicts). For each graph mode x sampling x HiSparse: tokens equal to eager's,
+per-step accepted counts equal to eager's, CUDA graph replays (> 0 for piecewise and full), cudagraph skips (0)
+and graph partitions.
 Speed: tokens/s of each mode at each batch size beside transformers' static-cache compiled generate on the same
 model. full runs inductor's default options here (the parity question is the capture, not the kernels);
 --max-autotune adds a separate last stage with full's own max-autotune options. Stages that no longer fit in
