@@ -129,6 +129,12 @@ def engine_options(command):
                           "run answers at once in eager while full compiles in a background process, and switches "
                           "when it is ready (--graph-mode full waits for the compile instead). "
                           "$COMPILED_SPEC_GRAPH_MODE sets another default."),
+        click.option("--verify-graphs", "verify_graphs", type=click.IntRange(0), default=None, metavar="N",
+                     help="The graph canary: every N-th decode step also runs in eager on a copy of the decode state; "
+                          "a compiled step that wrote anything else is replaced by eager's result, logged, counted "
+                          "(compiled_spec:graph_divergence_total in /metrics) and the engine falls back to a safer "
+                          "graph mode (full, piecewise -> compile -> eager). 0 is off. [default: off for generate; "
+                          "serve: every 256th step, less often where checks would cost over 2% of decode time]"),
         click.option("--max-batch-size", "max_batch_size", type=int, default=8, show_default=True,
                      help="Prompts decoded together; more prompts wait for a free slot."),
         click.option("--max-seq-len", "max_seq_len", type=int, default=512, show_default=True,
@@ -145,7 +151,7 @@ def engine_options(command):
 
 def make_llm(model, mtp, draft_vocab_size, num_speculative_tokens, graph_mode, max_batch_size, max_seq_len, seed,
              hisparse, top_k_tokens, hot_rows, cold_dtype, cold_pool, warm_up=True,
-             max_speculative_tokens=DEFAULT_MAX_SPECULATIVE_TOKENS, draft_dtype=None):
+             max_speculative_tokens=DEFAULT_MAX_SPECULATIVE_TOKENS, draft_dtype=None, verify_graphs=0):
     """The LLM engine_options ask for; bad input becomes an InputError (one `error:` line, exit 2)."""
     from compiled_spec import LLM, CompiledSpecError
 
@@ -154,7 +160,8 @@ def make_llm(model, mtp, draft_vocab_size, num_speculative_tokens, graph_mode, m
         return LLM(model, num_speculative_tokens=num_speculative_tokens, max_speculative_tokens=max_speculative_tokens,
                    graph_mode=graph_mode,
                    max_batch_size=max_batch_size, max_seq_len=max_seq_len, seed=seed, hisparse=sparse, mtp=mtp,
-                   draft_vocab_size=draft_vocab_size, draft_dtype=draft_dtype, warm_up=warm_up)
+                   draft_vocab_size=draft_vocab_size, draft_dtype=draft_dtype, warm_up=warm_up,
+                   verify_graphs_every=verify_graphs)
     except CompiledSpecError as error:
         raise InputError(str(error)) from None
 
@@ -203,8 +210,8 @@ def main():
               help="Print one JSON object per prompt, then one with the aggregate (JSON lines).")
 def generate(prompts, prompt_ids, model, mtp, draft_vocab_size, draft_dtype, num_speculative_tokens,
              max_speculative_tokens, temperature, top_p, top_k, max_tokens, seed,
-             graph_mode, max_batch_size, max_seq_len, stop, ignore_eos, chat, as_json, hisparse, top_k_tokens, hot_rows,
-             cold_dtype, cold_pool):
+             graph_mode, verify_graphs, max_batch_size, max_seq_len, stop, ignore_eos, chat, as_json, hisparse,
+             top_k_tokens, hot_rows, cold_dtype, cold_pool):
     """Generate text for each PROMPT with MTP speculative decoding.
 
     Each step the MTP module(s) draft k tokens; the main model verifies them in one pass and keeps
@@ -241,7 +248,8 @@ def generate(prompts, prompt_ids, model, mtp, draft_vocab_size, draft_dtype, num
         raise InputError(str(error)) from None
     llm = make_llm(model, mtp, draft_vocab_size, num_speculative_tokens, graph_mode, max_batch_size, max_seq_len,
                    seed, hisparse, top_k_tokens, hot_rows, cold_dtype, cold_pool,
-                   max_speculative_tokens=max_speculative_tokens, draft_dtype=draft_dtype)
+                   max_speculative_tokens=max_speculative_tokens, draft_dtype=draft_dtype,
+                   verify_graphs=verify_graphs or 0)
     if llm.tokenizer is None and any(isinstance(p, str) for p in all_prompts):
         raise InputError(f"model {str(llm.path)!r} has no tokenizer; pass prompts as --prompt-ids 1,2,3")
 
@@ -306,7 +314,7 @@ def generate(prompts, prompt_ids, model, mtp, draft_vocab_size, draft_dtype, num
 @click.option("--log-level", "log_level", type=click.Choice(("critical", "error", "warning", "info", "debug")),
               default="info", show_default=True)
 def serve(model, mtp, draft_vocab_size, draft_dtype, num_speculative_tokens, max_speculative_tokens, graph_mode,
-          max_batch_size, max_seq_len, seed, hisparse, top_k_tokens,
+          verify_graphs, max_batch_size, max_seq_len, seed, hisparse, top_k_tokens,
           hot_rows, cold_dtype, cold_pool, host, port, api_key, served_model_name, max_queue, max_request_bytes,
           body_timeout, shutdown_timeout, step_log, log_level):
     """Serve the model over HTTP with an OpenAI-compatible API.
@@ -333,6 +341,7 @@ def serve(model, mtp, draft_vocab_size, draft_dtype, num_speculative_tokens, max
     """
     from compiled_spec.api import DEFAULT_MODEL
     from compiled_spec.errors import CompiledSpecError
+    from compiled_spec.runtime.canary import SERVE_BUDGET, SERVE_VERIFY_GRAPHS_EVERY
     from compiled_spec.registry import MODELS
     from compiled_spec.server import ServerOptions, serve as run_server
 
@@ -346,7 +355,10 @@ def serve(model, mtp, draft_vocab_size, draft_dtype, num_speculative_tokens, max
                    "server", err=True)
     llm = make_llm(model, mtp, draft_vocab_size, num_speculative_tokens, graph_mode, max_batch_size, max_seq_len,
                    seed, hisparse, top_k_tokens, hot_rows, cold_dtype, cold_pool, warm_up=False,
-                   max_speculative_tokens=max_speculative_tokens, draft_dtype=draft_dtype)  # the engine thread warms up
+                   max_speculative_tokens=max_speculative_tokens, draft_dtype=draft_dtype,  # the engine thread warms up
+                   verify_graphs=SERVE_VERIFY_GRAPHS_EVERY if verify_graphs is None else verify_graphs)
+    if verify_graphs is None and llm.engine.canary is not None:  # serve's default rate keeps under its budget
+        llm.engine.canary.budget = SERVE_BUDGET
     if served_model_name:
         name = served_model_name
     elif llm.path == DEFAULT_MODEL:

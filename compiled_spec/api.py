@@ -49,6 +49,7 @@ class LLM:
         draft_dtype: "str | torch.dtype | None" = None,
         background_compile: bool | None = None,
         compile_workers: int | None = None,
+        verify_graphs_every: int = 0,
     ):
         """num_speculative_tokens: drafts per step (k), or "auto": before each step, the k in
         0..max_speculative_tokens with the most expected tokens per second, from step times measured at warm-up
@@ -65,7 +66,10 @@ class LLM:
         engine switches to them between two steps when all are ready; default: on when graph_mode is left to its
         default, off when it is given.
         compile_workers (full on CPU): processes that compile missing packages at once, one graph each at a time;
-        default: $COMPILED_SPEC_COMPILE_WORKERS, else one per CPU core (one graph's compile uses one core)."""
+        default: $COMPILED_SPEC_COMPILE_WORKERS, else one per CPU core (one graph's compile uses one core).
+        verify_graphs_every: the graph canary (runtime/canary.py): every N-th step also runs in eager on a copy of the
+        decode state; a compiled step that wrote anything else is replaced by eager's result, and the engine falls
+        back to a safer graph mode (full, piecewise -> compile -> eager). 0, the default: off."""
         self.path = resolve_model(model) or DEFAULT_MODEL
         mtp = mtp if mtp is not None else shipped_mtp_modules(self.path)
         self.mtp_path = None if mtp is None else Path(mtp)
@@ -81,6 +85,7 @@ class LLM:
             batch_buckets=batch_buckets,
             prefill_buckets=prefill_buckets,
             hisparse=hisparse,
+            verify_graphs_every=verify_graphs_every,
         )
         if draft_vocab_size is None:
             draft_vocab_size = default_draft_vocab_size(self.path, self.mtp_path)

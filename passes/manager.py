@@ -17,6 +17,7 @@ from compiled_spec.errors import GraphAuditError
 
 from .audit import AuditPass
 from .graph_inputs import is_branch_graph
+from .partition_cat import PartitionCatPass
 from .state_mutation import StateMutationPass
 
 
@@ -63,8 +64,8 @@ class SpecPassManager(CustomGraphPass):
 
 
 def default_passes(hisparse=None) -> list:
-    """The audit and state-mutation passes; with a HiSparseConfig, the HiSparse fusion pass first."""
-    passes = [AuditPass(), StateMutationPass()]
+    """The audit, partition-cat and state-mutation passes; with a HiSparseConfig, the HiSparse fusion pass first."""
+    passes = [AuditPass(), PartitionCatPass(), StateMutationPass()]
     if hisparse is not None:
         from .hisparse_fusion import HiSparseFusionPass
 

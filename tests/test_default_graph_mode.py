@@ -9,7 +9,8 @@ from compiled_spec.config import GRAPH_MODE_VARIABLE
 
 def test_full_is_the_default_and_on_cpu_it_starts_tiered(tiny_checkpoint, monkeypatch):
     monkeypatch.delenv(GRAPH_MODE_VARIABLE)  # the suite's conftest makes eager the default for the other tests
-    assert GraphMode.default_for("cuda") == GraphMode.FULL
+    # On CUDA: the fastest mode a GPU run has shown equal to eager (compile; full has not shown replay parity yet).
+    assert GraphMode.default_for("cuda") == GraphMode.COMPILE
     assert GraphMode.default_for("cpu") == GraphMode.FULL
     path = tiny_checkpoint("predictive").path
     llm = LLM(path, max_seq_len=32, warm_up=False)

@@ -233,6 +233,7 @@ def test_metrics_counters_agree_with_the_responses(server):
     assert delta(f"generation_tokens_total{label}") == sum(u["completion_tokens"] for u in usages) == 48
     assert delta(f"prompt_tokens_total{label}") == sum(u["prompt_tokens"] for u in usages)
     assert delta(f"time_to_first_token_seconds_count{label}") == 4
+    assert after[f"compiled_spec:graph_divergence_total{label}"] == 0  # the canary's count (serve checks graphs)
     assert delta(f"e2e_request_latency_seconds_count{label}") == 4
     assert delta(f"inter_token_latency_seconds_count{label}") >= 4
 

@@ -26,6 +26,7 @@ from ..params import MIN_SAMPLING_TEMPERATURE, RequestOutput, SamplingParams, Sp
 from ..speculative.state import DecodeState, move_slot
 from ..speculative.step import StepConstants
 from .background_compile import BackgroundCompile, compile_worker_count, earlier_failure, failed_file
+from .canary import SAFER_MODE, Divergence, GraphCanary
 from .buckets import (
     checked_buckets, compiled_prefill_limit, default_batch_buckets, default_prefill_buckets, pick_bucket,
 )
@@ -54,6 +55,7 @@ class StepRecord:
     seconds: float  # wall time, the host copy of the step's results included
     num_drafts: int = 0  # k: the drafts this step made for the next one
     verified: list[int] | None = None  # per lane: drafts it verified (fewer than k after a step with a smaller k)
+    divergence: "Divergence | None" = None  # the canary checked this step and found the compiled one wrong
 
 
 class Engine:
@@ -110,6 +112,8 @@ class Engine:
         self.eager_prefills = 0  # prompts longer than every prefill bucket, prefilled in eager at their own length
         self.switches: list[int] = []  # steps_run at each switch_runner
         self._full_runner, self._next_poll, self._show_progress, self._threads = None, 0.0, False, 1
+        self.fallbacks: list[GraphMode] = []  # the mode of each fall back the canary made
+        self.canary = GraphCanary(config.verify_graphs_every) if config.verify_graphs_every else None
 
     def draft_lengths(self) -> list[int | None]:
         """The k values steps run with: every 0..K with auto, else None (the fixed k)."""
@@ -284,6 +288,20 @@ class Engine:
         if self.chooser:  # the seconds measured were the old runner's: each k is timed again on its first step
             self.chooser.seconds.clear()
 
+    def fall_back(self) -> None:
+        """Between two steps: the next steps run in the next safer graph mode (full, piecewise -> compile -> eager),
+        compiled on its first call. A full graph still compiling in the background is dropped."""
+        mode = SAFER_MODE.get(self.runner.mode, GraphMode.EAGER)
+        if self.background is not None:
+            self.background.stop()
+            self.background = None
+        self._full_runner = None
+        self.constants = self.constants._replace(opaque_attention=mode == GraphMode.PIECEWISE)
+        runner = StepRunner(self.model, self.state, self.constants, mode, draft_lengths=self.runner.draft_lengths,
+                            prefill_width=self.prefill_buckets[-1], batch_size=self.batch_buckets[-1])
+        self.switch_runner(runner)
+        self.fallbacks.append(mode)
+
     def _time_steps(self, rounds: int = 9) -> None:
         """Seconds per step of every (bucket, k) over free slots: the fastest of several rounds that take every k
         in turn, so a slow moment of the machine (noise only ever adds time) lands on all of them or none."""
@@ -377,7 +395,11 @@ class Engine:
         k = self.chooser.choose(bucket) if self.chooser else self.k
         self.last_num_drafts = k
         verified = [min(k, request.valid_drafts) for request in self.slots]
-        if self.chooser:
+        divergence = None
+        checked = bool(self.canary and self.runner.mode != GraphMode.EAGER and self.canary.due(self.steps_run + 1))
+        if checked:
+            divergence = self.canary.checked_step(self, batch, k if self.chooser else None, self.steps_run + 1)
+        elif self.chooser:
             self.runner.step(batch, k)
         else:
             self.runner.step(batch)
@@ -385,9 +407,11 @@ class Engine:
                                         num_drafts=k, verified=verified)
         seconds = time.perf_counter() - start
         self.steps_run += 1
+        if self.canary:
+            self.canary.observe(self.steps_run, seconds, checked)
         if self.chooser:
             self.chooser.observe_step(bucket, k, seconds, [(v, accepted) for v, (_, accepted) in zip(verified, lanes)])
-        return StepRecord(finished, lanes, seconds, k, verified)
+        return StepRecord(finished, lanes, seconds, k, verified, divergence)
 
     def abort(self, index: int) -> Request | None:
         """Frees the slot of the running request with this index (between steps); None if none runs."""

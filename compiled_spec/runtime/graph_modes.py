@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -36,7 +37,7 @@ from ..model import decode_attention
 from ..model.layers import COMPILED_ATTENTION_MAX_ROWS, DECODE_ATTENTION_MAX_ROWS
 from ..speculative.state import DecodeState
 from ..speculative.step import StepConstants, prefill, speculative_step, state_writes
-from . import shared_constants, torch_patches
+from . import cpu_partitions, shared_constants, torch_patches
 from .packaged import AheadOfTimeCompiled, DynamicSize, model_digest
 
 # The shortest prompt width the one prefill package of full on CPU takes: at fewer rows attention takes another path
@@ -75,12 +76,17 @@ def _mode_options(mode: GraphMode, device: torch.device) -> dict:
             # ATen's choice pre-packs its weight into an opaque MKL-DNN tensor, which cannot be stored outside the
             # package (shared_constants). One choice is not benchmarked, which also shortens the compile.
             options.update({"freezing": True, "triton.cudagraphs": False, "max_autotune_gemm_backends": "CPP"})
+        else:
+            # All or nothing: one captured graph per step. A step that cannot be captured whole raises instead of
+            # being split into partitions (the piecewise fault class) or run uncaptured.
+            options.update({"graph_partition": False, "triton.cudagraph_or_error": True})
         return options
     if mode == GraphMode.PIECEWISE:
+        # On CPU too: partitions_on_cpu makes the partition functions CUDA captures, and runs them uncaptured.
         return {
             "graph_partition": True,
-            "custom_should_partition_ops": ["compiled_spec::cached_attention", "compiled_spec::hisparse_attention"],
-            "triton.cudagraphs": cuda,
+            "custom_should_partition_ops": list(cpu_partitions.PARTITION_OPS),
+            "triton.cudagraphs": True,
         }
     return {"triton.cudagraphs": False}
 
@@ -89,8 +95,12 @@ def spec_backend(options: dict, manager: SpecPassManager):
     """A torch.compile backend: inductor with the given options and our passes installed."""
     torch_patches.install()
 
+    cpu_partitioned = options.get("graph_partition") and options.get("custom_should_partition_ops")
+
     def backend(gm: torch.fx.GraphModule, example_inputs):
-        with named_inputs(source_names(gm)):
+        partitions = cpu_partitioned and not any(
+            isinstance(x, torch.Tensor) and x.device.type == "cuda" for x in example_inputs)
+        with named_inputs(source_names(gm)), cpu_partitions.partitions_on_cpu() if partitions else nullcontext():
             return compile_fx(gm, example_inputs, config_patches={**options, "post_grad_custom_post_pass": manager})
 
     return backend
@@ -172,7 +182,9 @@ class StepRunner:
                 options={**options, **({"hisparse": repr(constants.hisparse)} if constants.hisparse else {}),
                          **({"decode_attention": decode_attention.loaded()}
                             if device.type == "cpu" and not options.get("freezing") else {}),
-                         "torch_patches": torch_patches.cache_key()},
+                         "torch_patches": torch_patches.cache_key(),
+                         **({"cpu_partitions": cpu_partitions.VERSION}
+                            if device.type == "cpu" and options.get("graph_partition") else {})},
             )
             manager = SpecPassManager(passes if passes is not None else default_passes(constants.hisparse), context)
             self.managers[name] = manager

@@ -205,6 +205,8 @@ class EngineLoop:
             return
         self._steps += 1
         self.metrics.record_step([accepted for _, accepted in record.lanes], record.verified, record.num_drafts)
+        if record.divergence is not None:
+            self.metrics.graph_divergence.inc()
         if self._step_log:
             self._step_log.write(json.dumps({
                 "step": self._steps, "time": time.time(), "lanes": [index for index, _ in record.lanes],

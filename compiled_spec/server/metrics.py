@@ -45,13 +45,17 @@ class ServerMetrics:
         self.inter_token_latency = histogram(
             "inter_token_latency_seconds",
             "Time between two emissions of one request (a speculative step can emit several tokens at once).")
+        self.graph_divergence = counter("graph_divergence", "Steps the graph canary found a compiled graph "
+                                        "writing other decode state than eager (each makes the engine fall back to "
+                                        "a safer graph mode).")
         self.running = Gauge(PREFIX + "num_requests_running", "Requests in the running batch.", labels,
                              registry=self.registry)
         self.waiting = Gauge(PREFIX + "num_requests_waiting", "Requests waiting for a slot.", labels,
                              registry=self.registry)
         # Bind the model label once; every position's series exists from the start.
         for name in ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "prompt_tokens", "generation_tokens",
-                     "e2e_latency", "time_to_first_token", "inter_token_latency", "running", "waiting"):
+                     "e2e_latency", "time_to_first_token", "inter_token_latency", "running", "waiting",
+                     "graph_divergence"):
             setattr(self, name, getattr(self, name).labels(model_name))
         self._per_pos = [self.accepted_per_pos.labels(model_name, str(p)) for p in range(num_speculative_tokens)]
         self.num_speculative_tokens = num_speculative_tokens

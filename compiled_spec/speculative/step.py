@@ -147,7 +147,7 @@ def _draft_chain(
         writable = torch.cat([torch.ones_like(writable_rows[:, :1]).expand(batch, depth - 1), writable_rows], dim=1)
         layout = make_layout(state, constants, slot_ids, positions, writable, slots_are_prefix, sparse, attended)
         if depth > 1:
-            previous = torch.cat([carry_hidden[:, depth - 2 : depth - 1], previous], dim=1)
+            previous = _prepend_row(carry_hidden[:, depth - 2 : depth - 1], previous)
         tiers = draft_tiers(state, depth)
         hidden = model.mtp_hidden_states(
             depth, tokens, previous, layout, state.draft_keys[depth - 1], state.draft_values[depth - 1], tiers
@@ -171,8 +171,29 @@ def _draft_chain(
             carry_pick = producing_index[:, None, None].expand(batch, 1, hidden.shape[-1])
             carries.append(hidden.gather(1, carry_pick)[:, 0])
         previous = hidden
-    carry = torch.stack(carries, dim=1) if carries else None
-    return torch.stack(drafts, dim=1), torch.stack(probs, dim=1), carry
+    carry = _stack_in_one_kernel(carries) if carries else None
+    return _stack_in_one_kernel(drafts), _stack_in_one_kernel(probs), carry
+
+
+# A cat or stack of values computed after different attention calls is one buffer whose slices inductor's graph
+# partitions (piecewise on CUDA) may each allocate on their own, losing a slice (passes/partition_cat.py). These build
+# the same values with pointwise ops, which inductor computes in one kernel that reads every piece.
+
+
+def _prepend_row(row: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """torch.cat([row, rows], dim=1) of row [B, 1, H] and rows [B, W, H]."""
+    index = torch.arange(rows.shape[1] + 1, device=rows.device)[None, :, None]
+    return torch.where(index == 0, row, F.pad(rows, (0, 0, 1, 0)))
+
+
+def _stack_in_one_kernel(pieces: list[torch.Tensor]) -> torch.Tensor:
+    """torch.stack(pieces, dim=1)."""
+    first = pieces[0].unsqueeze(1)
+    index = torch.arange(len(pieces), device=first.device).view(1, -1, *([1] * (first.dim() - 2)))
+    stacked = first.expand(first.shape[0], len(pieces), *first.shape[2:])
+    for position, piece in enumerate(pieces[1:], start=1):
+        stacked = torch.where(index == position, piece.unsqueeze(1), stacked)
+    return stacked
 
 
 def _stop_count(tokens, emitted, eos_ids, ignore_eos, generated, max_new_tokens, seq_lens, max_seq_len):

@@ -1,0 +1,181 @@
+"""The graph canary (runtime/canary.py): a compiled step that writes anything eager does not is caught within N
+steps, replaced by eager's result, and the engine falls back to a safer mode; the output then equals eager's.
+
+Each fault is one the compile-time passes would reject, so they are off here (passes=[]): the canary is what catches
+what the passes miss, and it compares the whole state, not the fields a fault is known to touch.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from compiled_spec import LLM, CompiledSpecError, GraphMode, SamplingParams
+from compiled_spec.runtime.canary import Divergence, GraphCanary, copy_state, first_difference
+from compiled_spec.runtime.graph_modes import StepRunner
+from faults import PositionsInPythonRunner, prefilling_in_eager, step_without_draft_counts
+from passes.graph_inputs import state_field
+from test_auto_k import ScheduledChooser
+
+ENGINE = dict(num_speculative_tokens=2, max_batch_size=2, max_seq_len=64, batch_buckets=(2,), prefill_buckets=(16,))
+AUTO_ENGINE = {**ENGINE, "num_speculative_tokens": "auto", "max_speculative_tokens": 2}
+GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
+SEEDED = SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.8, seed=5)
+
+
+@pytest.fixture(scope="module")
+def workload(tiny_checkpoint):
+    path = tiny_checkpoint("predictive").path
+    generator = torch.Generator().manual_seed(4)
+    # As many prompts as slots: every request is admitted before the first step (a prefill graph would add a
+    # compile and test nothing here).
+    return path, [torch.randint(2, 96, (n,), generator=generator).tolist() for n in (5, 9)], [GREEDY, SEEDED]
+
+
+def run(llm: LLM, prompts, params):
+    llm.engine.step_log.clear()
+    outputs = llm.generate(prompts, params)
+    return [o.token_ids for o in outputs], list(llm.engine.step_log)
+
+
+def eager_state(tiny_checkpoint):
+    llm = LLM(tiny_checkpoint("predictive").path, graph_mode="eager", **ENGINE)
+    llm.generate([[3, 4, 5]], GREEDY)
+    return llm.engine.state
+
+
+def test_first_difference_names_the_field_and_lane(tiny_checkpoint):
+    state = eager_state(tiny_checkpoint)
+    copy = copy_state(state)
+    assert first_difference(state, copy, step=7) is None
+    copy.draft_probs[1, 0, 3] += 1e-6  # within the float tolerance
+    assert first_difference(state, copy, step=7) is None
+    copy.draft_probs[1, 0, 3] += 0.01
+    difference = first_difference(state, copy, step=7)
+    assert (difference.field, difference.lane, difference.step) == ("draft_probs", 1, 7)
+    copy = copy_state(state)
+    copy.main_keys[0][1, 2] += 1.0
+    copy.step_accepted[1] += 1  # integers: exactly; the first field in field order is named
+    difference = first_difference(state, copy, step=3)
+    assert (difference.field, difference.lane) == ("step_accepted", 1)
+    assert str(difference).startswith("graph divergence at step 3: step_accepted differs in lane 1")
+
+
+def test_the_rate_is_checked(tiny_checkpoint):
+    with pytest.raises(CompiledSpecError, match="verify_graphs_every=-1 must be 0"):
+        LLM(tiny_checkpoint("predictive").path, verify_graphs_every=-1, warm_up=False, **ENGINE)
+    with pytest.raises(ValueError):
+        GraphCanary(0)
+    canary, checked = GraphCanary(4), []
+    for step in range(1, 10):
+        due = canary.due(step)
+        if due:
+            checked.append(step)
+        canary.observe(step, 0.01, due)
+    assert checked == [4, 8]
+
+
+def test_a_budget_stretches_the_interval():
+    canary = GraphCanary(4, budget=0.02)
+    for step in range(1, 4):
+        canary.observe(step, 0.01, checked=False)  # a step: 10 ms
+    canary.extra_seconds = 0.05  # a check: 50 ms more
+    canary.observe(4, 0.06, checked=True)
+    # 50 ms in N steps of 10 ms is at most 2% from N = 50 * 0.98 / (0.02 * 10) = 245 on.
+    assert canary.next_check == 4 + 245
+    unbudgeted = GraphCanary(4)
+    unbudgeted.extra_seconds = 0.05
+    unbudgeted.observe(4, 0.06, checked=True)
+    assert unbudgeted.next_check == 8
+
+
+class HalvedDraftProbs:
+    """A compiled graph that computes something eager does not: the draft probabilities it writes are halved."""
+
+    name = "halved_draft_probs"
+
+    def __call__(self, graph: torch.fx.Graph, context) -> list[str]:
+        for node in graph.nodes:
+            if node.target is torch.ops.aten.copy_.default and state_field(node.args[0]) == "draft_probs":
+                with graph.inserting_before(node):
+                    halved = graph.call_function(torch.ops.aten.mul.Tensor, (node.args[1], 0.5))
+                node.args = (node.args[0], halved)
+                return []
+        return ["no draft_probs write"]
+
+
+def check_fell_back(llm: LLM, every: int, first_faulty_step: int, mode: GraphMode, caplog):
+    divergences = llm.engine.canary.divergences
+    assert len(divergences) == 1  # then the engine runs the safer mode, which the canary checks too
+    assert first_faulty_step <= divergences[0].step < first_faulty_step + every
+    assert llm.engine.fallbacks == [mode] and llm.engine.runner.mode == mode
+    lines = [r.getMessage() for r in caplog.records if "graph divergence" in r.getMessage()]
+    assert lines == [f"compiled-spec: {divergences[0]}; falling back from {lines[0].split('from ')[1].split(' ')[0]} "
+                     f"to {mode.value}"]
+    return divergences[0]
+
+
+@pytest.mark.slow
+def test_a_graph_computing_what_eager_does_not_is_caught(workload, caplog):
+    path, prompts, params = workload
+    eager = run(LLM(path, graph_mode="eager", **ENGINE), prompts, params)
+    llm = LLM(path, graph_mode="compile", warm_up=False, verify_graphs_every=1, **ENGINE)
+    engine = llm.engine
+    engine.runner = prefilling_in_eager(StepRunner(llm.model, engine.state, engine.constants, GraphMode.COMPILE,
+                                                   passes=[HalvedDraftProbs()]))
+    with caplog.at_level(logging.WARNING, logger="compiled_spec.canary"):
+        assert run(llm, prompts, params) == eager
+    divergence = check_fell_back(llm, 1, 1, GraphMode.EAGER, caplog)
+    assert divergence.field == "draft_probs"
+
+
+@pytest.mark.slow
+def test_a_step_that_skips_the_draft_count_write_is_caught(workload, caplog):
+    path, prompts, params = workload
+    every = 2
+    schedule = [1]  # prefill drafts K=2; each step drafts 1, so each should count 1 valid draft
+    reference = LLM(path, graph_mode="eager", **AUTO_ENGINE)
+    reference.engine.chooser = ScheduledChooser(schedule)
+    eager = run(reference, prompts, params)
+    llm = LLM(path, graph_mode="compile", warm_up=False, verify_graphs_every=every, **AUTO_ENGINE)
+    engine = llm.engine
+    engine.chooser = ScheduledChooser(schedule)
+    engine.runner = prefilling_in_eager(StepRunner(
+        llm.model, engine.state, engine.constants, GraphMode.COMPILE, passes=[],
+        step_function=step_without_draft_counts, draft_lengths=(0, 1)))
+    with caplog.at_level(logging.WARNING, logger="compiled_spec.canary"):
+        assert run(llm, prompts, params) == eager
+    divergence = check_fell_back(llm, every, 1, GraphMode.EAGER, caplog)
+    assert divergence.field == "draft_counts"
+
+
+@pytest.mark.slow
+def test_state_updated_outside_a_captured_graph_is_caught(workload, caplog):
+    """The seed bug's class: piecewise reads the buffer it captured, the runtime rebinds seq_lens in Python. The
+    first step reads the right lengths, every later one stale ones; the canary (every 2nd step) catches step 2."""
+    path, prompts, params = workload
+    every = 2
+    eager = run(LLM(path, graph_mode="eager", **ENGINE), prompts, params)
+    llm = LLM(path, graph_mode="piecewise", warm_up=False, verify_graphs_every=every, **ENGINE)
+    engine = llm.engine
+    engine.runner = PositionsInPythonRunner(llm.model, engine.state, engine.constants, GraphMode.PIECEWISE, passes=[])
+    with caplog.at_level(logging.WARNING, logger="compiled_spec.canary"):
+        assert run(llm, prompts, params) == eager
+    check_fell_back(llm, every, 2, GraphMode.COMPILE, caplog)
+
+
+def test_divergence_reads_as_one_line():
+    line = str(Divergence("seq_lens", 1, 4, "compiled 9, eager 10 at element 0"))
+    assert "\n" not in line and "seq_lens" in line and "lane 1" in line and "step 4" in line
+
+
+def test_divergences_are_counted_in_the_metrics():
+    from prometheus_client import generate_latest
+
+    from compiled_spec.server.metrics import ServerMetrics
+
+    metrics = ServerMetrics("tiny", 2)
+    metrics.graph_divergence.inc()
+    assert 'compiled_spec:graph_divergence_total{model_name="tiny"} 1.0' in generate_latest(metrics.registry).decode()
