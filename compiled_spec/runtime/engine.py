@@ -32,7 +32,7 @@ from .buckets import (
 )
 from .draft_chooser import DraftLengthChooser
 from .graph_modes import StepRunner
-from .packaged import package_damage
+from .packaged import discard_package, package_damage
 
 TokenCallback = Callable[[int, list[int]], None]
 log = logging.getLogger(__name__)
@@ -158,7 +158,7 @@ class Engine:
                 log.warning("compiled-spec: compiled packages in %s are damaged (%s); compiling them again",
                             next(iter(damaged)).parent, "; ".join(f"{p.name}: {d}" for p, d in damaged.items()))
                 for path in damaged:
-                    path.unlink()
+                    discard_package(path)
             if self.tiered_start and not all(path and path.exists() for path in paths):
                 if (failure := earlier_failure(paths)) is None:
                     self._start_in_eager(graphs, paths, show_progress)

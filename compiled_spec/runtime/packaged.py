@@ -104,6 +104,17 @@ def package_damage(path: Path) -> str | None:
     return shared_constants.damage(path.parent, manifest)
 
 
+def discard_package(path: Path) -> None:
+    """Removes a damaged package and those of its constants whose bytes no longer match their names (a compile
+    stores a constant only where its file is missing)."""
+    try:
+        manifest = shared_constants.read_manifest(path)
+    except (OSError, zipfile.BadZipFile, StopIteration, ValueError):
+        manifest = {}
+    shared_constants.discard_altered(path.parent, manifest)
+    path.unlink(missing_ok=True)
+
+
 class AheadOfTimeCompiled:
     """Stands in for torch.compile(function): the first call of each bucket (argument shapes and fixed
     values) loads its package, or exports, compiles and saves it when there is none."""

@@ -103,15 +103,29 @@ def damage(folder: Path, manifest: dict[str, str]) -> str | None:
     """What is wrong with the stored constants of a manifest (missing, or bytes that no longer match their digest),
     or None. Reads every file, loaded in this process or not: a compile child loads from the disk."""
     for key in sorted(set(manifest.values())):
+        if (problem := _stored_damage(folder, key)) is not None:
+            return problem
+    return None
+
+
+def discard_altered(folder: Path, manifest: dict[str, str]) -> None:
+    """Removes the manifest's stored constants that are unreadable or altered."""
+    for key in set(manifest.values()):
         path = _path(folder, key)
-        try:
-            tensor = torch.load(path, weights_only=True, mmap=True)
-        except FileNotFoundError:
-            return f"constant {path.name} is missing from {path.parent}"
-        except Exception as error:
-            return f"constant {path} is unreadable ({error})"
-        if digest(tensor) != key:
-            return f"constant {path} was altered (its bytes no longer match its name)"
+        if path.exists() and _stored_damage(folder, key) is not None:
+            path.unlink()
+
+
+def _stored_damage(folder: Path, key: str) -> str | None:
+    path = _path(folder, key)
+    try:
+        tensor = torch.load(path, weights_only=True, mmap=True)
+    except FileNotFoundError:
+        return f"constant {path.name} is missing from {path.parent}"
+    except Exception as error:
+        return f"constant {path} is unreadable ({error})"
+    if digest(tensor) != key:
+        return f"constant {path} was altered (its bytes no longer match its name)"
     return None
 
 
