@@ -49,6 +49,7 @@ class LLM:
         draft_dtype: "str | torch.dtype | None" = None,
         background_compile: bool | None = None,
         compile_workers: int | None = None,
+        dequantize: bool = False,
     ):
         """num_speculative_tokens: drafts per step (k), or "auto": before each step, the k in
         0..max_speculative_tokens with the most expected tokens per second, from step times measured at warm-up
@@ -65,7 +66,9 @@ class LLM:
         engine switches to them between two steps when all are ready; default: on when graph_mode is left to its
         default, off when it is given.
         compile_workers (full on CPU): processes that compile missing packages at once, one graph each at a time;
-        default: $COMPILED_SPEC_COMPILE_WORKERS, else one per CPU core (one graph's compile uses one core)."""
+        default: $COMPILED_SPEC_COMPILE_WORKERS, else one per CPU core (one graph's compile uses one core).
+        dequantize: a GGUF's quantized matrices are widened to dtype at load, instead of kept packed and multiplied
+        by the weight-only quantized kernel (model/packed_linear.py)."""
         self.path = resolve_model(model) or DEFAULT_MODEL
         mtp = mtp if mtp is not None else shipped_mtp_modules(self.path)
         self.mtp_path = None if mtp is None else Path(mtp)
@@ -88,7 +91,8 @@ class LLM:
             draft_dtype = default_draft_dtype(self.path, self.mtp_path, device)
         draft_dtype = draft_dtype_name(draft_dtype, self.config.dtype)
         self.model = load_model(self.path, self.config.torch_dtype(), device, mtp=mtp,
-                                draft_vocab_size=draft_vocab_size, draft_dtype=getattr(torch, draft_dtype))
+                                draft_vocab_size=draft_vocab_size, draft_dtype=getattr(torch, draft_dtype),
+                                dequantize=dequantize)
         self.model_config = self.model.config
         if num_speculative_tokens is None:
             self.config.num_speculative_tokens = default_num_speculative_tokens(
@@ -114,6 +118,7 @@ class LLM:
                 num_speculative_tokens=self.config.num_speculative_tokens, max_speculative_tokens=max_speculative_tokens,
                 max_batch_size=max_batch_size, max_seq_len=max_seq_len, device=device, dtype=self.config.dtype,
                 seed=seed, batch_buckets=batch_buckets, prefill_buckets=prefill_buckets, hisparse=hisparse,
+                dequantize=dequantize,
             )
         if warm_up:
             self.engine.warm_up(show_progress)
