@@ -3,6 +3,7 @@ model classes."""
 
 from __future__ import annotations
 
+import ctypes
 import json
 import re
 from dataclasses import dataclass, field
@@ -301,9 +302,21 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str
     if torch.device(device).type == "cpu":
         loaded = on_huge_pages(loaded)
     model.load_state_dict(loaded, assign=True, strict=True)
+    del state, tensors, loaded
+    if torch.device(device).type == "cpu":
+        release_freed_memory()
     if draft_vocab is not None:
         model.use_draft_vocab(draft_vocab.to(device), torch.float16 if half_drafts else None)
     return model.eval().requires_grad_(False)
+
+
+def release_freed_memory() -> None:
+    """Hands the heap the load freed (repack and dtype-cast temporaries) back to the system: glibc keeps it
+    otherwise, and a packed model's resident memory would count it."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
 
 
 def on_huge_pages(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
