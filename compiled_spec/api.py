@@ -50,6 +50,7 @@ class LLM:
         background_compile: bool | None = None,
         compile_workers: int | None = None,
         verify_graphs_every: int = 0,
+        dequantize: bool = False,
     ):
         """num_speculative_tokens: drafts per step (k), or "auto": before each step, the k in
         0..max_speculative_tokens with the most expected tokens per second, from step times measured at warm-up
@@ -69,7 +70,9 @@ class LLM:
         default: $COMPILED_SPEC_COMPILE_WORKERS, else one per CPU core (one graph's compile uses one core).
         verify_graphs_every: the graph canary (runtime/canary.py): every N-th step also runs in eager on a copy of the
         decode state; a compiled step that wrote anything else is replaced by eager's result, and the engine falls
-        back to a safer graph mode (full, piecewise -> compile -> eager). 0, the default: off."""
+        back to a safer graph mode (full, piecewise -> compile -> eager). 0, the default: off.
+        dequantize: a GGUF's quantized matrices are widened to dtype at load, instead of kept packed and multiplied
+        by the weight-only quantized kernel (model/packed_linear.py)."""
         self.path = resolve_model(model) or DEFAULT_MODEL
         mtp = mtp if mtp is not None else shipped_mtp_modules(self.path)
         self.mtp_path = None if mtp is None else Path(mtp)
@@ -93,7 +96,8 @@ class LLM:
             draft_dtype = default_draft_dtype(self.path, self.mtp_path, device)
         draft_dtype = draft_dtype_name(draft_dtype, self.config.dtype)
         self.model = load_model(self.path, self.config.torch_dtype(), device, mtp=mtp,
-                                draft_vocab_size=draft_vocab_size, draft_dtype=getattr(torch, draft_dtype))
+                                draft_vocab_size=draft_vocab_size, draft_dtype=getattr(torch, draft_dtype),
+                                dequantize=dequantize)
         self.model_config = self.model.config
         if num_speculative_tokens is None:
             self.config.num_speculative_tokens = default_num_speculative_tokens(
@@ -119,6 +123,7 @@ class LLM:
                 num_speculative_tokens=self.config.num_speculative_tokens, max_speculative_tokens=max_speculative_tokens,
                 max_batch_size=max_batch_size, max_seq_len=max_seq_len, device=device, dtype=self.config.dtype,
                 seed=seed, batch_buckets=batch_buckets, prefill_buckets=prefill_buckets, hisparse=hisparse,
+                dequantize=dequantize,
             )
         if warm_up:
             self.engine.warm_up(show_progress)

@@ -3,6 +3,7 @@ model classes."""
 
 from __future__ import annotations
 
+import ctypes
 import json
 import re
 from dataclasses import dataclass, field
@@ -15,8 +16,10 @@ from .config import ModelConfig
 from .errors import CompiledSpecError
 from .gguf_checkpoint import is_gguf, read_gguf
 from .model.causal_lm import CausalLM
+from .model import decode_attention
 from .model.half_weight_linear import store_drafts_in_half
 from .huge_pages import copies_on_huge_pages
+from .quantized_weights import PackedMatrix, use_packed_weights
 
 
 @dataclass(frozen=True)
@@ -196,10 +199,11 @@ def split_weights(tensors: dict[str, torch.Tensor], num_layers: int) -> tuple[di
     return _stack_experts(state), num_mtp, hidden_first
 
 
-def read_checkpoint(path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
-    """(config.json dict, tensors under Hugging Face names) of a checkpoint directory or a .gguf file."""
+def read_checkpoint(path: Path, dequantize: bool = True) -> tuple[dict, dict]:
+    """(config.json dict, tensors under Hugging Face names) of a checkpoint directory or a .gguf file; a GGUF's
+    quantized matrices are PackedMatrix unless dequantize."""
     if is_gguf(path):
-        return read_gguf(path)
+        return read_gguf(path, dequantize)
     return read_config(path), read_tensors(path)
 
 
@@ -257,13 +261,14 @@ def draft_vocabulary(ranking: torch.Tensor | None, size: int | None, default_siz
 
 def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu",
                mtp: str | Path | None = None, draft_vocab_size: int | None = None,
-               draft_dtype: torch.dtype | None = None) -> CausalLM:
+               draft_dtype: torch.dtype | None = None, dequantize: bool = False) -> CausalLM:
     """The model at `path`; with `mtp`, the MTP modules come from that directory instead of the checkpoint.
 
     draft_vocab_size: drafts sample over that many of the MTP directory's ranked tokens (see draft_vocabulary).
-    draft_dtype: torch.float16 stores the drafts' weights in float16 (model/half_weight_linear.py); None, in dtype."""
+    draft_dtype: torch.float16 stores the drafts' weights in float16 (model/half_weight_linear.py); None, in dtype.
+    dequantize: a GGUF's quantized matrices are widened to dtype instead of kept packed (model/packed_linear.py)."""
     path = Path(path)
-    raw_config, tensors = read_checkpoint(path)
+    raw_config, tensors = read_checkpoint(path, dequantize)
     config = ModelConfig.from_hf(raw_config)
     state, num_mtp, hidden_first = split_weights(tensors, config.num_hidden_layers)
     ranking, trained_size = None, None
@@ -288,18 +293,36 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str
             raise CompiledSpecError(
                 f"checkpoint tensor {name} has shape {tuple(state[name].shape)}, config.json implies {tuple(tensor.shape)}"
             )
-    keep_fp32 = ("e_score_correction_bias", "gate.weight")
+    packed = any(isinstance(tensor, PackedMatrix) for tensor in state.values())
+    if packed:
+        state = use_packed_weights(model, state)
+        expected = model.state_dict()
+    keep_fp32 = ("e_score_correction_bias", "gate.weight", ".scales", ".mins")
     loaded = {
         name: state[name].to(device=device, dtype=torch.float32 if name.endswith(keep_fp32) else
-                             torch.float16 if tensor.dtype == torch.float16 else dtype)
+                             tensor.dtype if tensor.dtype in (torch.float16, torch.uint8, torch.int8) else dtype)
         for name, tensor in expected.items()
     }
+    if packed and torch.device(device).type == "cpu":
+        decode_attention.load()  # the kernel multiplies packed weights in eager passes too
     if torch.device(device).type == "cpu":
         loaded = on_huge_pages(loaded)
     model.load_state_dict(loaded, assign=True, strict=True)
+    del state, tensors, loaded
+    if torch.device(device).type == "cpu":
+        release_freed_memory()
     if draft_vocab is not None:
         model.use_draft_vocab(draft_vocab.to(device), torch.float16 if half_drafts else None)
     return model.eval().requires_grad_(False)
+
+
+def release_freed_memory() -> None:
+    """Hands the heap the load freed (repack and dtype-cast temporaries) back to the system: glibc keeps it
+    otherwise, and a packed model's resident memory would count it."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
 
 
 def on_huge_pages(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -1,7 +1,8 @@
 """A GGUF file (llama.cpp's format) -> the Hugging Face config dict and tensors that checkpoint.py loads.
 
-Read with the `gguf` package. Quantized tensors are dequantized to float32 here; the loader then casts
-them to the engine's dtype. llama.cpp's converter permutes the rows of llama-architecture Q and K
+Read with the `gguf` package. Quantized matrices stay quantized: repacked once into the layout of
+model/packed_linear.py (quantized_weights.py); with dequantize=True, and for float types, tensors are read as
+float32 and the loader casts them to the engine's dtype. llama.cpp's converter permutes the rows of llama-architecture Q and K
 projections (to interleave RoPE pairs); that permutation is undone so the weights are Hugging Face's again.
 """
 
@@ -142,9 +143,13 @@ def unpermute_rows(weight: torch.Tensor, heads: int) -> torch.Tensor:
     return weight.reshape(heads, rows // heads // 2, 2, *weight.shape[1:]).transpose(1, 2).reshape(weight.shape)
 
 
-def read_gguf(path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
-    """(config.json dict, tensors under Hugging Face names, float32)."""
-    from gguf import GGMLQuantizationType, dequantize
+def read_gguf(path: Path, dequantize: bool = False) -> tuple[dict, dict]:
+    """(config.json dict, tensors under Hugging Face names): float32, or a PackedMatrix for a quantized matrix
+    unless dequantize."""
+    from gguf import GGMLQuantizationType
+    from gguf import dequantize as widen
+
+    from .quantized_weights import PACKED_TYPES, pack
 
     reader = _reader(path)
     config = gguf_config(reader, path)
@@ -160,15 +165,19 @@ def read_gguf(path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
                 f"{path.name}: tensor {tensor.name} has quantization type {tensor.tensor_type.name}, which is not "
                 f"supported; supported: {', '.join(TENSOR_TYPES)}"
             )
+        packed = not dequantize and tensor.tensor_type.name in PACKED_TYPES and len(tensor.data.shape) == 2
         try:
-            values = dequantize(tensor.data, tensor.tensor_type)
+            if packed:
+                weight = pack(tensor.data, tensor.tensor_type.name)
+            else:  # a copy: F32 data is a read-only memmap
+                weight = torch.from_numpy(np.array(widen(tensor.data, tensor.tensor_type), dtype=np.float32))
         except Exception as error:
             raise CompiledSpecError(f"{path.name}: cannot read tensor {tensor.name}; the file is truncated or "
                                     f"corrupt ({error})") from None
-        weight = torch.from_numpy(np.array(values, dtype=np.float32))  # a copy: F32 data is a read-only memmap
-        if permuted and ".self_attn.q_proj." in name:
-            weight = unpermute_rows(weight, config["num_attention_heads"])
-        elif permuted and ".self_attn.k_proj." in name:
-            weight = unpermute_rows(weight, config.get("num_key_value_heads", config["num_attention_heads"]))
+        if permuted and (".self_attn.q_proj." in name or ".self_attn.k_proj." in name):
+            heads = config["num_attention_heads"] if ".q_proj." in name else \
+                config.get("num_key_value_heads", config["num_attention_heads"])
+            weight = weight.map_rows(lambda part: unpermute_rows(part, heads)) if packed else \
+                unpermute_rows(weight, heads)
         tensors[name] = weight
     return config, tensors

@@ -14,11 +14,14 @@ from gguf import GGMLQuantizationType, GGUFWriter
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from compiled_spec import LLM, CompiledSpecError, SamplingParams
+from compiled_spec.model.packed_linear import weight_format
 from tiny_gguf import write_gguf
 
 PROMPTS = ["ROMEO: But soft, what light", "It is the east, and Juliet"]
-CASES = [("llama", "F32", False), ("llama", "F16", False), ("llama", "Q8_0", True), ("llama", "Q4_0", False),
-         ("qwen2", "F32", True), ("qwen2", "Q4_0", False)]
+CASES = [("llama", "F32", False), ("llama", "F16", False), ("llama", "BF16", False), ("llama", "Q8_0", True),
+         ("llama", "Q4_0", False), ("llama", "Q4_1", True), ("llama", "Q4_K", False), ("llama", "Q6_K", True),
+         ("qwen2", "F32", True), ("qwen2", "Q4_0", False), ("qwen2", "Q4_K", True)]
+K_QUANT_HIDDEN_SIZE = 256  # a K-quant block holds 256 values
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -35,10 +38,13 @@ def engine(path) -> LLM:
 
 @pytest.mark.parametrize("architecture, tensor_type, tied", CASES, ids=[f"{a}-{t}" for a, t, _ in CASES])
 def test_logits_and_greedy_text_equal_transformers_gguf_loader(tmp_path, architecture, tensor_type, tied):
-    path, _ = write_gguf(tmp_path, architecture, tensor_type, tie_word_embeddings=tied)
+    """Quantized types run on the packed path (model/packed_linear.py): transformers dequantizes the same file."""
+    hidden = K_QUANT_HIDDEN_SIZE if tensor_type.endswith("_K") else 64
+    path, _ = write_gguf(tmp_path, architecture, tensor_type, tie_word_embeddings=tied, hidden_size=hidden)
     reference = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=path.name, dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=path.name)
     llm = engine(path)
+    assert weight_format(llm.model) == (f"{tensor_type} packed" if tensor_type.startswith("Q") else "float32")
     outputs = llm.generate(PROMPTS, SamplingParams(max_tokens=12, ignore_eos=True))
     for prompt, output in zip(PROMPTS, outputs):
         ids = tokenizer.encode(prompt, add_special_tokens=False)

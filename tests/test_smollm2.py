@@ -1,13 +1,15 @@
 """The one real-model test: SmolLM2-135M-Instruct's GGUF (Q4_1), fetched as a user fetches it, against
 transformers' GGUF loader on the same file: logits, the tokenizer, and greedy text, decoded with the MTP
 modules shipped for it (their default k=3, 8192-token draft head and, on CPU, float16 draft weights), whose
-drafts must be accepted above a floor."""
+drafts must be accepted above a floor. The file's matrices stay packed (Q4_1 layers, the Q8_0 tied head) and are
+multiplied by the weight-only kernel (model/packed_linear.py)."""
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from compiled_spec import LLM, SamplingParams, fetch_model
+from compiled_spec.model.packed_linear import PackedEmbedding, weight_format
 
 from compiled_spec.registry import SHIPPED_MTP_ROOT
 
@@ -31,6 +33,7 @@ def test_smollm2_gguf_equals_transformers(smollm2):
     assert llm.path == path and llm.mtp_path == SHIPPED_MTP_ROOT / "smollm2-135m"
     assert llm.num_speculative_tokens == 3 and llm.model.draft_vocab.numel() == 8192
     assert llm.model.draft_head.dtype == llm.model.mtp[0].eh_proj.weight.dtype == torch.float16
+    assert weight_format(llm.model) == "Q4_1+Q8_0 packed" and isinstance(llm.model.embed_tokens, PackedEmbedding)
     config = llm.model_config
     assert (config.num_hidden_layers, config.hidden_size, config.vocab_size, config.tie_word_embeddings) == \
         (30, 576, 49152, True)
@@ -56,3 +59,14 @@ def test_smollm2_gguf_equals_transformers(smollm2):
     code = "def fib(n):\n    return n if n < 2 else fib(n - 1) + fib(n - 2)  # é"
     assert llm.encode(code) == tokenizer.encode(code, add_special_tokens=False)
     assert llm.tokenizer.decode(llm.encode(code)) == code
+
+
+def test_speculative_greedy_on_packed_weights_equals_k0_for_every_k(smollm2):
+    _, llm = smollm2
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    outputs = {}
+    for k in (0, 1, 2, 3, "auto"):
+        llm.config.num_speculative_tokens = k
+        outputs[k] = llm.generate(CODE, params)[0].token_ids
+    llm.config.num_speculative_tokens = 3
+    assert all(tokens == outputs[0] for tokens in outputs.values()), outputs

@@ -39,17 +39,62 @@ def permute_rows(weight: np.ndarray, heads: int) -> np.ndarray:
     return weight.reshape(heads, 2, rows // heads // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
 
 
+def quantize_q4_k(values: np.ndarray) -> np.ndarray:
+    """A plain Q4_K quantizer (gguf-py has none): per 32 values an unsigned 6-bit scale and min under the
+    256-value block's float16 d and dmin; w = d * sc * q - dmin * m."""
+    blocks = values.reshape(-1, 8, 32).astype(np.float32)
+    low, high = np.minimum(blocks.min(-1), 0), np.maximum(blocks.max(-1), 1e-8)
+    scale, offset = (high - low) / 15, -low
+    d = (scale.max(-1) / 63).astype(np.float16).astype(np.float32)
+    dmin = (offset.max(-1) / 63).astype(np.float16).astype(np.float32)
+    sc = np.clip(np.round(scale / np.maximum(d, 1e-12)[:, None]), 1, 63).astype(np.uint8)
+    m = np.clip(np.round(offset / np.maximum(dmin, 1e-12)[:, None]), 0, 63).astype(np.uint8)
+    step, shift = d[:, None] * sc, dmin[:, None] * m
+    q = np.clip(np.round((blocks + shift[..., None]) / step[..., None]), 0, 15).astype(np.uint8)
+    scales = np.zeros((len(blocks), 12), dtype=np.uint8)  # the bit layout Q4_K.get_scale_min unpacks
+    scales[:, 0:4] = (sc[:, 0:4] & 0x3F) | ((sc[:, 4:8] >> 4) << 6)
+    scales[:, 4:8] = (m[:, 0:4] & 0x3F) | ((m[:, 4:8] >> 4) << 6)
+    scales[:, 8:12] = (sc[:, 4:8] & 0x0F) | ((m[:, 4:8] & 0x0F) << 4)
+    pairs = q.reshape(-1, 4, 2, 32)
+    qs = (pairs[:, :, 0] | (pairs[:, :, 1] << 4)).reshape(-1, 128)
+    out = np.concatenate([d.astype(np.float16).view(np.uint8).reshape(-1, 2),
+                          dmin.astype(np.float16).view(np.uint8).reshape(-1, 2), scales, qs], axis=1)
+    return out.reshape(values.shape[0], -1)
+
+
+def quantize_q6_k(values: np.ndarray) -> np.ndarray:
+    """A plain Q6_K quantizer: per 16 values a signed 8-bit scale under the block's float16 d; w = d * sc * (q - 32)."""
+    blocks = values.reshape(-1, 16, 16).astype(np.float32)
+    scale = np.maximum(np.abs(blocks).max(-1), 1e-8) / 31
+    d = (scale.max(-1) / 127).astype(np.float16).astype(np.float32)
+    sc = np.clip(np.round(scale / d[:, None]), 1, 127).astype(np.int8)
+    q = np.clip(np.round(blocks / (d[:, None] * sc)[..., None]) + 32, 0, 63).astype(np.uint8).reshape(-1, 2, 4, 32)
+    ql = ((q[:, :, 0:2] & 15) | ((q[:, :, 2:4] & 15) << 4)).reshape(-1, 128)
+    qh = ((q >> 4) << np.array([0, 2, 4, 6], dtype=np.uint8)[None, None, :, None]).sum(2, dtype=np.uint8).reshape(-1, 64)
+    out = np.concatenate([ql, qh, sc.view(np.uint8), d.astype(np.float16).view(np.uint8).reshape(-1, 2)], axis=1)
+    return out.reshape(values.shape[0], -1)
+
+
+def quantize(values: np.ndarray, tensor_type: str) -> np.ndarray:
+    if tensor_type == "Q4_K":
+        return quantize_q4_k(values)
+    if tensor_type == "Q6_K":
+        return quantize_q6_k(values)
+    return quants.quantize(values, getattr(GGMLQuantizationType, tensor_type))
+
+
 def write_gguf(directory: Path, architecture: str = "llama", tensor_type: str = "F32", seed: int = 0,
-               tie_word_embeddings: bool = False,
-               head_count: int | None | str = "model") -> tuple[Path, torch.nn.Module]:
+               tie_word_embeddings: bool = False, head_count: int | None | str = "model",
+               hidden_size: int = 64) -> tuple[Path, torch.nn.Module]:
     """Writes directory/model.gguf; returns its path and the transformers model it came from. head_count: what the
-    metadata says ("model": the model's; None: nothing)."""
+    metadata says ("model": the model's; None: nothing). A K-quant type needs hidden_size 256 (its blocks hold 256
+    values); matrices whose rows are not whole blocks stay F32."""
     tokenizer = train_byte_level_bpe([TEXT], 300)
     config_cls, model_cls = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
                              "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
                              "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM)}[architecture]
-    config = config_cls(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+    config = config_cls(vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=hidden_size // 4, max_position_embeddings=256,
                         rms_norm_eps=1e-6, initializer_range=0.1, tie_word_embeddings=tie_word_embeddings,
                         eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.eos_token_id)
     torch.manual_seed(seed)
@@ -90,12 +135,13 @@ def write_gguf(directory: Path, architecture: str = "llama", tensor_type: str = 
             values = permute_rows(values, config.num_attention_heads)
         elif architecture == "llama" and ".k_proj." in name:
             values = permute_rows(values, config.num_key_value_heads)
-        if values.ndim == 1 or quantization == GGMLQuantizationType.F32:
+        block = quants.GGML_QUANT_SIZES[quantization][0]
+        if values.ndim == 1 or quantization == GGMLQuantizationType.F32 or values.shape[-1] % block:
             writer.add_tensor(llama_cpp_name(name), values)
         elif quantization == GGMLQuantizationType.F16:
             writer.add_tensor(llama_cpp_name(name), values.astype(np.float16))
         else:
-            writer.add_tensor(llama_cpp_name(name), quants.quantize(values, quantization), raw_dtype=quantization)
+            writer.add_tensor(llama_cpp_name(name), quantize(values, tensor_type), raw_dtype=quantization)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -9,6 +9,7 @@ from ..config import ModelConfig
 from .half_weight_linear import half_weight_linear
 from .layers import DecoderLayer, PassLayout, RMSNorm
 from .mtp import MtpModule
+from .packed_linear import PackedLinear
 
 
 class CausalLM(nn.Module):
@@ -28,9 +29,14 @@ class CausalLM(nn.Module):
 
     def use_draft_vocab(self, token_ids: torch.Tensor, dtype: torch.dtype | None = None) -> None:
         """dtype: the draft head's, when it differs from the head's (float16: see half_weight_linear.py)."""
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        head = self.head()
+        rows = head.rows(token_ids) if isinstance(head, PackedLinear) else head.weight[token_ids]
         self.draft_vocab = token_ids
-        self.draft_head = weight[token_ids].to(dtype or weight.dtype, copy=True)
+        self.draft_head = rows.to(dtype or self.norm.weight.dtype, copy=True)
+
+    def head(self) -> nn.Module:
+        """The module whose weight [vocab, hidden] the logits multiply: the LM head, or the tied embedding."""
+        return self.embed_tokens if self.lm_head is None else self.lm_head
 
     def hidden_states(
         self,
@@ -47,8 +53,10 @@ class CausalLM(nn.Module):
         return self.norm(x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return (hidden @ weight.t()).float()
+        head = self.head()
+        if isinstance(head, PackedLinear):
+            return head.linear(hidden).float()
+        return (hidden @ head.weight.t()).float()
 
     def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits over the draft vocabulary: the whole vocabulary, or the sub-vocabulary use_draft_vocab set."""

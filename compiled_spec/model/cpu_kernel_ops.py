@@ -1,5 +1,5 @@
 """The ops of the CPU kernel build (decode_attention.load): their schemas and fake implementations, defined before the
-build registers its kernels for them. The kernels' sources are decode_attention.cpp and half_weight_linear.cpp."""
+build registers its kernels for them. The kernels' sources are decode_attention.SOURCES."""
 
 from __future__ import annotations
 
@@ -21,3 +21,18 @@ torch.library.define("compiled_spec_cpu::half_weight_linear", "(Tensor x, Tensor
 @torch.library.register_fake("compiled_spec_cpu::half_weight_linear")
 def _(x, weight):
     return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+
+torch.library.define("compiled_spec_cpu::packed_linear_4bit",
+                     "(Tensor x, Tensor nibbles, Tensor scales, Tensor mins) -> Tensor")
+torch.library.define("compiled_spec_cpu::packed_linear_8bit", "(Tensor x, Tensor values, Tensor scales) -> Tensor")
+
+
+@torch.library.register_fake("compiled_spec_cpu::packed_linear_4bit")
+def _(x, nibbles, scales, mins):
+    return x.new_empty(*x.shape[:-1], nibbles.shape[0])
+
+
+@torch.library.register_fake("compiled_spec_cpu::packed_linear_8bit")
+def _(x, values, scales):
+    return x.new_empty(*x.shape[:-1], values.shape[0])

@@ -1,5 +1,6 @@
 """The C++ attention kernel of compiled CPU decode passes (decode_attention.cpp): built once per machine, then loaded.
-The same build holds the drafts' float16-weight linear (half_weight_linear.cpp).
+The same build holds the drafts' float16-weight linear (half_weight_linear.cpp) and the weight-only quantized linear
+(packed_linear.cpp).
 
 It reads only the cache positions a row may attend to, where SDPA and grouped_attention read the whole cache
 (max_seq_len rows) and mask most of it away, and it shares each key and value row among the query heads of its
@@ -22,7 +23,8 @@ import torch
 
 from . import cpu_kernel_ops  # noqa: F401  the schemas of the ops the build registers
 
-SOURCES = [Path(__file__).with_suffix(".cpp"), Path(__file__).with_name("half_weight_linear.cpp")]
+SOURCES = [Path(__file__).with_suffix(".cpp"), Path(__file__).with_name("half_weight_linear.cpp"),
+           Path(__file__).with_name("packed_linear.cpp")]
 log = logging.getLogger(__name__)
 
 _loaded = False

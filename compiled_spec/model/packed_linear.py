@@ -1,0 +1,84 @@
+"""Weights kept quantized in memory: linear layers, the token embedding and a tied head over packed blocks.
+
+Two layouts cover GGUF's Q4_0, Q4_1, Q4_K, Q8_0 and Q6_K (quantized_weights.py repacks them, exactly):
+  4-bit: nibbles uint8 [N, K/2] (byte j of each 32-value block: value j low, value j + 16 high), float32 scales and
+         mins [N, K/32]; w = scale * q + min.
+  8-bit: int8 values [N, K], float32 scales [N, K/G] with G 16 or 32; w = scale * q.
+A CPU float32 pass multiplies with the C++ kernel (packed_linear.cpp, built with decode_attention.cpp), in eager and in
+compiled graphs alike: it is a registered op with a fake implementation, so `full`'s AOTInductor packages call it
+and keep the packed bytes as their constants. Elsewhere (CUDA, other dtypes, no kernel) the weight is widened in the
+graph. The embedding widens only the rows it looks up.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from . import decode_attention
+
+def dequantize_rows(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None) -> torch.Tensor:
+    """Packed rows [..., K/2] (4-bit) or [..., K] (8-bit) -> float32 [..., K], as gguf's dequantize computes them."""
+    if qweight.dtype == torch.uint8:
+        blocks = qweight.unflatten(-1, (-1, 16))
+        values = torch.cat([blocks & 15, blocks >> 4], dim=-1).float()  # [..., K/32, 32]
+        return (values * scales[..., None] + mins[..., None]).flatten(-2)
+    group = qweight.shape[-1] // scales.shape[-1]
+    return (qweight.unflatten(-1, (-1, group)).float() * scales[..., None]).flatten(-2)
+
+
+def packed_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None) -> torch.Tensor:
+    if x.device.type == "cpu" and x.dtype == torch.float32 and decode_attention.loaded():
+        if qweight.dtype == torch.uint8:
+            return torch.ops.compiled_spec_cpu.packed_linear_4bit(x, qweight, scales, mins)
+        return torch.ops.compiled_spec_cpu.packed_linear_8bit(x, qweight, scales)
+    return F.linear(x, dequantize_rows(qweight, scales, mins).to(x.dtype))
+
+
+class PackedLinear(nn.Module):
+    """x @ W.T (+ bias) for a weight W [N, K] kept packed. `format` names the type it came from (e.g. Q4_1)."""
+
+    def __init__(self, out_features: int, in_features: int, format: str, four_bit: bool, group: int = 32,
+                 bias: torch.Tensor | None = None):
+        super().__init__()
+        self.format = format
+        self.out_features, self.in_features = out_features, in_features
+        if four_bit:
+            self.register_buffer("qweight", torch.empty(out_features, in_features // 2, dtype=torch.uint8))
+            self.register_buffer("scales", torch.empty(out_features, in_features // 32))
+            self.register_buffer("mins", torch.empty(out_features, in_features // 32))
+        else:
+            self.register_buffer("qweight", torch.empty(out_features, in_features, dtype=torch.int8))
+            self.register_buffer("scales", torch.empty(out_features, in_features // group))
+            self.mins = None
+        self.bias = bias
+
+    def linear(self, x: torch.Tensor) -> torch.Tensor:
+        out = packed_linear(x, self.qweight, self.scales, self.mins)
+        return out if self.bias is None else out + self.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x)
+
+    def rows(self, index: torch.Tensor) -> torch.Tensor:
+        """The weight's rows at `index`, widened to float32."""
+        return dequantize_rows(self.qweight[index], self.scales[index], None if self.mins is None else self.mins[index])
+
+    def extra_repr(self) -> str:
+        return f"{self.in_features}, {self.out_features}, {self.format}"
+
+
+class PackedEmbedding(PackedLinear):
+    """An embedding table kept packed: a lookup widens the rows it reads; `linear` is the tied head."""
+
+    def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
+        return self.rows(token_ids)
+
+
+def weight_format(model) -> str:
+    """How the main model's matrices are stored: e.g. "Q4_1 packed", "Q4_1+Q8_0 packed", or "float32"."""
+    formats = sorted({module.format for module in model.modules() if isinstance(module, PackedLinear)})
+    if not formats:
+        return str(model.embed_tokens.weight.dtype).removeprefix("torch.")
+    return "+".join(formats) + " packed"
