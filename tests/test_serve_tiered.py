@@ -65,10 +65,8 @@ def test_the_default_mode_switches_to_full_under_load_and_every_stream_and_accep
                 future.result()
         assert mode().startswith("eager, then full from step "), mode()
 
-    eager_only = [r for r in results if "background" in r[2]]
-    across = [r for r in results if "background" in r[1] and r[2].startswith("eager, then full")]
-    full_only = [r for r in results if r[1].startswith("eager, then full")]
-    assert eager_only and full_only, [(r[1], r[2]) for r in results]
-    assert len(eager_only) + len(across) + len(full_only) == len(results)
     for prompt, before, after, text, accepted in results:
         assert (text, accepted) == expected[prompt], (prompt, before, after)
+    in_eager = [r for r in results if "background" in r[2]]  # began and ended before the switch
+    in_full = [r for r in results if r[1].startswith("eager, then full")]  # began after it
+    assert in_eager and in_full, [(r[1], r[2]) for r in results]
