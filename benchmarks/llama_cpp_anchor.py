@@ -1,8 +1,8 @@
 """llama.cpp as a bench anchor, through llama-cpp-python, on the same GGUF file and prompt token ids:
 
 - llama-cpp:     the file as it is (e.g. SmolLM2's Q4_1, llama.cpp's quantized kernels);
-- llama-cpp-f32: the same weights dequantized to F32 (what this engine computes in), a GGUF written once
-                 beside the original with the gguf package: every metadata field copied, every tensor F32.
+- llama-cpp-f32: the same weights dequantized to F32 (what a float engine computes in), a GGUF written once
+                 beside the original (benchmarks/gguf_copy.py).
 
 Greedy (top_k=1), EOS ignored: exactly max_tokens tokens per prompt, one prompt at a time (llama-cpp-python
 decodes one sequence per context). Runs in a worker process.
@@ -15,6 +15,7 @@ import os
 import time
 from pathlib import Path
 
+from .gguf_copy import gguf_copy
 from .unavailable import Unavailable
 from .workload import digest
 
@@ -31,40 +32,6 @@ def unavailable_reason(name: str, batch_size: int, model: str) -> str | None:
     return None
 
 
-def f32_copy(path: Path) -> Path:
-    """`path` with every tensor dequantized to F32, written once beside it (NAME.F32.gguf)."""
-    import numpy as np
-    from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter, dequantize
-
-    target = path.with_name(path.stem + ".F32.gguf")
-    if target.is_file():
-        return target
-    reader = GGUFReader(str(path))
-    architecture = reader.fields["general.architecture"].contents()
-    partial = target.with_suffix(".partial")
-    writer = GGUFWriter(str(partial), architecture)
-    for name, field in reader.fields.items():
-        if name.startswith("GGUF.") or name == "general.architecture":
-            continue  # written by the writer itself
-        value = field.contents()
-        if name == "general.file_type":
-            value = 0  # ALL_F32
-        kind = field.types[0]
-        if kind == GGUFValueType.ARRAY:
-            writer.add_key_value(name, value, kind, sub_type=field.types[-1])
-        else:
-            writer.add_key_value(name, value, kind)
-    for tensor in reader.tensors:
-        values = np.array(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
-        writer.add_tensor(tensor.name, values, raw_dtype=GGMLQuantizationType.F32)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    os.replace(partial, target)
-    return target
-
-
 def measure_llama_cpp(spec: dict) -> dict:
     from llama_cpp import Llama
 
@@ -75,7 +42,7 @@ def measure_llama_cpp(spec: dict) -> dict:
     start = time.perf_counter()
     path = Path(spec["model"])
     if name == "llama-cpp-f32":
-        path = f32_copy(path)
+        path = gguf_copy(path, "F32")
     threads = spec.get("threads") or len(os.sched_getaffinity(0))
     longest = max(len(ids) for ids in spec["prompt_ids"])
     llm = Llama(model_path=str(path), n_ctx=longest + max_tokens + 8, n_threads=threads, n_threads_batch=threads,

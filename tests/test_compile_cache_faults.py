@@ -18,7 +18,7 @@ from compiled_spec import LLM
 from compiled_spec.config import GraphMode
 from compiled_spec.runtime import shared_constants
 from compiled_spec.runtime.background_compile import failed_file
-from compiled_spec.runtime.packaged import PACKAGE_FOLDER
+from compiled_spec.runtime.packaged import PACKAGE_FOLDER, discard_package, package_damage
 from test_graph_modes import ENGINE
 from test_tiered_start import decode
 from test_hisparse import prompts_for
@@ -89,35 +89,66 @@ def test_a_compile_child_killed_by_its_pid_takes_its_pool_workers_with_it(tiny_c
     llm.engine.background.stop()
 
 
-@pytest.mark.slow
-@pytest.mark.xdist_group("full_engine_packages")  # loads the packages test_graph_modes compiled on this worker
-@pytest.mark.parametrize("damage", ["truncated package", "deleted constant", "altered constant"])
-def test_a_damaged_package_is_detected_and_a_tiered_start_serves_in_eager_while_it_compiles_again(
-        tiny_checkpoint, tmp_path, monkeypatch, caplog, damage):
-    path = tiny_checkpoint("predictive").path
-    warm = LLM(path, graph_mode="full", show_progress=False, **ENGINE)
-    names = warm.engine.runner.packages()[0] + warm.engine.runner.packages()[1]
+def copy_packages(names: list[str], folder: Path) -> None:
+    """The packages `names` of this process's package folder, and their constants, into `folder`."""
     source = Path(cache_dir()) / PACKAGE_FOLDER
-    copy = tmp_path / "inductor" / PACKAGE_FOLDER
-    (copy / shared_constants.FOLDER).mkdir(parents=True)
+    (folder / shared_constants.FOLDER).mkdir(parents=True)
     keys = set()
     for name in names:
-        shutil.copy(source / name, copy / name)
+        shutil.copy(source / name, folder / name)
         keys |= set(shared_constants.read_manifest(source / name).values())
     for key in keys:
-        shutil.copy(source / shared_constants.FOLDER / f"{key}.pt", copy / shared_constants.FOLDER / f"{key}.pt")
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+        shutil.copy(source / shared_constants.FOLDER / f"{key}.pt", folder / shared_constants.FOLDER / f"{key}.pt")
 
-    damaged = copy / sorted(names)[0]
-    constant = copy / shared_constants.FOLDER / f"{sorted(shared_constants.read_manifest(damaged).values())[0]}.pt"
+
+def damage_package(package: Path, damage: str) -> None:
+    key = sorted(shared_constants.read_manifest(package).values())[0]
+    constant = package.parent / shared_constants.FOLDER / f"{key}.pt"
     if damage == "truncated package":
-        damaged.write_bytes(damaged.read_bytes()[: damaged.stat().st_size // 2])
+        package.write_bytes(package.read_bytes()[: package.stat().st_size // 2])
     elif damage == "deleted constant":
         constant.unlink()
     else:
         tensor = torch.load(constant, weights_only=True).clone()
         tensor.view(-1)[0] += 1  # same name, same shape, other bytes
         torch.save(tensor, constant)
+
+
+@pytest.fixture(scope="module")
+def full_packages(tiny_checkpoint):
+    """The names of the packages of test_graph_modes' full engine (loaded where that test compiled them)."""
+    warm = LLM(tiny_checkpoint("predictive").path, graph_mode="full", show_progress=False, **ENGINE)
+    compiled, loaded = warm.engine.runner.packages()
+    return sorted(compiled + loaded)
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("full_engine_packages")  # loads the packages test_graph_modes compiled on this worker
+@pytest.mark.parametrize("damage", ["truncated package", "deleted constant", "altered constant"])
+def test_a_damaged_package_or_constant_is_named_and_discarded(full_packages, tmp_path, damage):
+    copy_packages(full_packages, tmp_path)
+    package = tmp_path / full_packages[0]
+    assert package_damage(package) is None and package_damage(tmp_path / full_packages[1]) is None
+    damage_package(package, damage)
+    found = package_damage(package)
+    assert found is not None and {"truncated package": "unreadable", "deleted constant": "missing",
+                                  "altered constant": "altered"}[damage] in found, found
+    discard_package(package)
+    assert not package.exists()
+    constants = list((tmp_path / shared_constants.FOLDER).glob("*.pt"))
+    assert all(shared_constants.damage(tmp_path, {"c": path.stem}) is None for path in constants)  # none left altered
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("full_engine_packages")
+def test_a_tiered_start_finding_a_damaged_package_serves_in_eager_while_it_compiles_again(
+        tiny_checkpoint, full_packages, tmp_path, monkeypatch, caplog):
+    path = tiny_checkpoint("predictive").path
+    copy = tmp_path / "inductor" / PACKAGE_FOLDER
+    copy_packages(full_packages, copy)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    prefill = next(name for name in full_packages if name.startswith("prefill"))  # the quicker of the compiles
+    damage_package(copy / prefill, "truncated package")
 
     prompts = prompts_for((4, 9, 6), seed=5)
     reference = decode(LLM(path, graph_mode="eager", **ENGINE), prompts)
