@@ -15,12 +15,13 @@ from pathlib import Path
 import click
 from click.exceptions import NoArgsIsHelpError
 
-# Mirrors compiled_spec.config (GraphMode, MAX_SPECULATIVE_TOKENS, DEFAULT_MAX_SPECULATIVE_TOKENS) and
-# training.mtp_corpus (DOMAINS) without importing torch; a test keeps them equal.
+# Mirrors compiled_spec.config (GraphMode, MAX_SPECULATIVE_TOKENS, DEFAULT_MAX_SPECULATIVE_TOKENS),
+# training.mtp_corpus (DOMAINS) and checkpoint (QUANTIZE_TYPES) without importing torch; a test keeps them equal.
 GRAPH_MODES = ("eager", "compile", "piecewise", "full")
 MAX_SPECULATIVE_TOKENS = 8
 DEFAULT_MAX_SPECULATIVE_TOKENS = 3
 DOMAINS = ("code", "prose", "chat")
+QUANTIZE_TYPES = ("q8_0", "q4_0")
 
 
 class DraftCount(click.ParamType):
@@ -90,6 +91,19 @@ def hisparse_options(command):
     return command
 
 
+def weight_options() -> list:
+    """--dequantize and --quantize, shared by generate, serve and bench."""
+    return [
+        click.option("--dequantize", is_flag=True,
+                     help="Widen a GGUF file's quantized matrices to float32 at load, instead of keeping them packed "
+                          "and multiplying them with the weight-only kernel (which streams 4-6x fewer bytes)."),
+        click.option("--quantize", type=click.Choice(QUANTIZE_TYPES), default=None,
+                     help="Quantize a float checkpoint's matrices (safetensors, or a GGUF of F32/F16/BF16 tensors) at "
+                          "load to this GGUF type with the gguf package's quantizer, and keep them packed; the MTP "
+                          "modules stay as they are."),
+    ]
+
+
 def engine_options(command):
     """The options that choose the model and build the engine, shared by generate and serve (see make_llm)."""
     options = [
@@ -110,6 +124,7 @@ def engine_options(command):
                      help="Store the MTP modules' matrices and the draft head in float16: each draft streams half "
                           "the bytes, computed in float32 (output is unchanged; acceptance may move slightly). "
                           "Default: float16 for smollm2-135m on CPU with its shipped modules, else float32."),
+        *weight_options(),
         click.option("-k", "--num-speculative-tokens", "num_speculative_tokens", type=DraftCount(), default=None,
                      help=f"Tokens drafted per step by the MTP module(s), 0..{MAX_SPECULATIVE_TOKENS}; "
                           "0 turns speculation off; auto chooses k before each step, 0..--max-speculative-tokens, "
@@ -151,7 +166,8 @@ def engine_options(command):
 
 def make_llm(model, mtp, draft_vocab_size, num_speculative_tokens, graph_mode, max_batch_size, max_seq_len, seed,
              hisparse, top_k_tokens, hot_rows, cold_dtype, cold_pool, warm_up=True,
-             max_speculative_tokens=DEFAULT_MAX_SPECULATIVE_TOKENS, draft_dtype=None, verify_graphs=0):
+             max_speculative_tokens=DEFAULT_MAX_SPECULATIVE_TOKENS, draft_dtype=None, verify_graphs=0,
+             dequantize=False, quantize=None):
     """The LLM engine_options ask for; bad input becomes an InputError (one `error:` line, exit 2)."""
     from compiled_spec import LLM, CompiledSpecError
 
@@ -161,7 +177,7 @@ def make_llm(model, mtp, draft_vocab_size, num_speculative_tokens, graph_mode, m
                    graph_mode=graph_mode,
                    max_batch_size=max_batch_size, max_seq_len=max_seq_len, seed=seed, hisparse=sparse, mtp=mtp,
                    draft_vocab_size=draft_vocab_size, draft_dtype=draft_dtype, warm_up=warm_up,
-                   verify_graphs_every=verify_graphs)
+                   verify_graphs_every=verify_graphs, dequantize=dequantize, quantize=quantize)
     except CompiledSpecError as error:
         raise InputError(str(error)) from None
 
@@ -208,8 +224,8 @@ def main():
               help="Each PROMPT is a user message: apply the model's chat template and print only the answer.")
 @click.option("--json", "as_json", is_flag=True,
               help="Print one JSON object per prompt, then one with the aggregate (JSON lines).")
-def generate(prompts, prompt_ids, model, mtp, draft_vocab_size, draft_dtype, num_speculative_tokens,
-             max_speculative_tokens, temperature, top_p, top_k, max_tokens, seed,
+def generate(prompts, prompt_ids, model, mtp, draft_vocab_size, draft_dtype, dequantize, quantize,
+             num_speculative_tokens, max_speculative_tokens, temperature, top_p, top_k, max_tokens, seed,
              graph_mode, verify_graphs, max_batch_size, max_seq_len, stop, ignore_eos, chat, as_json, hisparse,
              top_k_tokens, hot_rows, cold_dtype, cold_pool):
     """Generate text for each PROMPT with MTP speculative decoding.
@@ -249,7 +265,7 @@ def generate(prompts, prompt_ids, model, mtp, draft_vocab_size, draft_dtype, num
     llm = make_llm(model, mtp, draft_vocab_size, num_speculative_tokens, graph_mode, max_batch_size, max_seq_len,
                    seed, hisparse, top_k_tokens, hot_rows, cold_dtype, cold_pool,
                    max_speculative_tokens=max_speculative_tokens, draft_dtype=draft_dtype,
-                   verify_graphs=verify_graphs or 0)
+                   verify_graphs=verify_graphs or 0, dequantize=dequantize, quantize=quantize)
     if llm.tokenizer is None and any(isinstance(p, str) for p in all_prompts):
         raise InputError(f"model {str(llm.path)!r} has no tokenizer; pass prompts as --prompt-ids 1,2,3")
 
@@ -272,7 +288,7 @@ def generate(prompts, prompt_ids, model, mtp, draft_vocab_size, draft_dtype, num
     elapsed = time.perf_counter() - start
 
     summary = cli_format.Summary(llm.num_speculative_tokens, llm.engine.graph_mode_run(), outputs, elapsed,
-                                 draft_slots=llm.draft_slots)
+                                 draft_slots=llm.draft_slots, weight_format=llm.weight_format)
     for index, (prompt, output) in enumerate(zip(all_prompts, outputs)):
         if as_json:
             click.echo(cli_format.to_json(cli_format.request_record(index, prompt, output)))
@@ -313,8 +329,8 @@ def generate(prompts, prompt_ids, model, mtp, draft_vocab_size, draft_dtype, num
               help="Append one JSON line per decode step: the requests in the batch, drafts accepted, waiting.")
 @click.option("--log-level", "log_level", type=click.Choice(("critical", "error", "warning", "info", "debug")),
               default="info", show_default=True)
-def serve(model, mtp, draft_vocab_size, draft_dtype, num_speculative_tokens, max_speculative_tokens, graph_mode,
-          verify_graphs, max_batch_size, max_seq_len, seed, hisparse, top_k_tokens,
+def serve(model, mtp, draft_vocab_size, draft_dtype, dequantize, quantize, num_speculative_tokens,
+          max_speculative_tokens, graph_mode, verify_graphs, max_batch_size, max_seq_len, seed, hisparse, top_k_tokens,
           hot_rows, cold_dtype, cold_pool, host, port, api_key, served_model_name, max_queue, max_request_bytes,
           body_timeout, shutdown_timeout, step_log, log_level):
     """Serve the model over HTTP with an OpenAI-compatible API.
@@ -356,7 +372,8 @@ def serve(model, mtp, draft_vocab_size, draft_dtype, num_speculative_tokens, max
     llm = make_llm(model, mtp, draft_vocab_size, num_speculative_tokens, graph_mode, max_batch_size, max_seq_len,
                    seed, hisparse, top_k_tokens, hot_rows, cold_dtype, cold_pool, warm_up=False,
                    max_speculative_tokens=max_speculative_tokens, draft_dtype=draft_dtype,  # the engine thread warms up
-                   verify_graphs=SERVE_VERIFY_GRAPHS_EVERY if verify_graphs is None else verify_graphs)
+                   verify_graphs=SERVE_VERIFY_GRAPHS_EVERY if verify_graphs is None else verify_graphs,
+                   dequantize=dequantize, quantize=quantize)
     if verify_graphs is None and llm.engine.canary is not None:  # serve's default rate keeps under its budget
         llm.engine.canary.budget = SERVE_BUDGET
     if served_model_name:
@@ -493,6 +510,13 @@ def name_list(allowed: tuple[str, ...], none_ok: bool = False):
     return parse
 
 
+def weight_options_of_engine_cells(command):
+    """weight_options for bench: every engine cell loads the model so (the anchors load it as they do)."""
+    for option in reversed(weight_options()):
+        command = option(command)
+    return command
+
+
 # Mirror benchmarks.anchors.ANCHORS and DEFAULT_ANCHORS; a test keeps them equal.
 ANCHORS = ("hf-eager", "hf-static", "hf-mtp", "llama-cpp", "llama-cpp-f32")
 DEFAULT_ANCHORS = ("hf-eager", "hf-static", "hf-mtp")
@@ -548,9 +572,10 @@ DEFAULT_ANCHORS = ("hf-eager", "hf-static", "hf-mtp")
                    "'generate --draft-vocab'). Default: the engine's own.")
 @click.option("--hisparse", is_flag=True, help="Every engine cell decodes with HiSparse sparse attention.")
 @hisparse_options
+@weight_options_of_engine_cells
 def bench(model, graph_modes, ks, batch_sizes, anchors, out, max_tokens, prompts_file, max_seq_len, buckets,
           repeats, rounds, threads, cache_dir, cell_timeout, draft_vocab_sizes, hisparse, top_k_tokens, hot_rows,
-          cold_dtype, cold_pool):
+          cold_dtype, cold_pool, dequantize, quantize):
     """Measure tokens/s, step latency, acceptance per draft position, warm-up time and peak memory for
     every graph mode x k x batch size, beside transformers on the same model and prompts (greedy).
 
@@ -600,6 +625,7 @@ def bench(model, graph_modes, ks, batch_sizes, anchors, out, max_tokens, prompts
         buckets=buckets, repeats=repeats, rounds=rounds, threads=threads, cache_dir=Path(cache_dir) if cache_dir else None,
         cell_timeout_s=cell_timeout, command=spelled_out(click.get_current_context()),
         hisparse=dataclasses.asdict(sparse) if sparse else None, draft_vocab_sizes=draft_vocab_sizes,
+        dequantize=dequantize, quantize=quantize,
     )
     try:
         results = run_sweep(options)

@@ -94,6 +94,8 @@ def measure_engine(spec: dict) -> dict:
         show_progress=False,
         hisparse=HiSparseConfig(**spec["hisparse"]) if spec.get("hisparse") else None,
         draft_vocab_size=spec.get("draft_vocab_size"),
+        dequantize=spec.get("dequantize", False),
+        quantize=spec.get("quantize"),
     )
     setup_s = time.perf_counter() - start
     engine = llm.engine
@@ -153,7 +155,8 @@ def measure_engine(spec: dict) -> dict:
         "compile_processes": engine.compile_processes,
         "package_bytes": engine.runner.package_bytes(),
         "constants_bytes": engine.runner.constants_bytes(),  # the frozen weights the packages share, once
-        "weight_bytes": sum(tensor.numel() * tensor.element_size() for tensor in llm.model.state_dict().values()),
+        "weight_bytes": resident_weight_bytes(llm.model),
+        "weight_format": llm.weight_format,
         "batch_buckets": list(engine.batch_buckets),
         "prefill_buckets": list(engine.prefill_buckets),
         # full on CPU: the one prefill package's (lowest, highest) prompt width; None: a graph per prefill bucket.
@@ -170,6 +173,13 @@ def measure_engine(spec: dict) -> dict:
         "cpu_kernels": decode_attention.status(),  # "built", "not built: <why>", or "not needed" (eager)
         **same_process,
     }
+
+
+def resident_weight_bytes(model) -> int:
+    """Bytes the model's weights hold in memory: every parameter and buffer once (a tensor under two names, e.g. a
+    tied head, counts once), packed matrices at their packed size (their parts are the module's buffers)."""
+    tensors = [*model.parameters(), *(buffer for buffer in model.buffers() if buffer is not None)]
+    return sum({(t.data_ptr(), t.nbytes): t.nbytes for t in tensors}.values())
 
 
 def scorer_in_use(model) -> str:

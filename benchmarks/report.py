@@ -60,7 +60,7 @@ def engine_row(record: dict, anchors: list[str]) -> str:
     k_text = f"{k} (draft vocab {vocab})" if k and vocab else str(k)
     head = f"| {record['graph_mode']} | {k_text} | {record['batch_size']} |"
     if record["status"] != "ok":
-        return head + f" {record['status']}: {record.get('reason', '')} |" + " |" * (9 + len(anchors))
+        return head + f" {record['status']}: {record.get('reason', '')} |" + " |" * (11 + len(anchors))
     latency = record["step_latency_ms"] or {"p50": float("nan"), "p90": float("nan")}
     same = record.get("acceptance_equals_eager")
     if same is False:  # how many accepted drafts moved, out of how many
@@ -75,6 +75,8 @@ def engine_row(record: dict, anchors: list[str]) -> str:
         "–" if "outputs_equal_to_hf_eager" not in record else f"{record['outputs_equal_to_hf_eager']}/{record['requests']}",
         number(record["warmup_s"]),
         number(record["peak_rss_mib"], 0),
+        number(record["weight_bytes"] / 2**20) if "weight_bytes" in record else "–",
+        record.get("weight_format", "–"),
     ]
     cells += [number(record["speedup_vs"].get(name), 2) + ("×" if record["speedup_vs"].get(name) else "")
               for name in [*anchors, "plain-limit"]]
@@ -172,6 +174,8 @@ def markdown(results: dict, plot_names: list[str] = ()) -> str:
         "Acceptance: per draft position, accepted drafts over verified ones (at a fixed k every step verifies "
         "every position). "
         "Warm-up: compiling every bucket (0 in eager). Peak RSS: the cell's own process. "
+        "Weights MiB: the bytes the model's weights hold in memory (packed matrices at their packed size), "
+        "and how the main model's matrices are held. "
         "'= eager': accepted counts per position equal the eager cell's (same k, batch), or by how many "
         "they differ; "
         "'= HF': outputs identical to transformers' greedy ones. "
@@ -180,8 +184,8 @@ def markdown(results: dict, plot_names: list[str] = ()) -> str:
         "",
         "| " + " | ".join(["mode", "k", "batch", "tokens/s", "step p50 / p90 ms", "acceptance by position",
                            "mean accepted length", "= eager", "= HF", "warm-up s", "peak RSS MiB",
-                           *(f"× {name}" for name in anchors), "× plain limit"]) + " |",
-        "|" + "---|" * (12 + len(anchors)),
+                           "weights MiB", "weights", *(f"× {name}" for name in anchors), "× plain limit"]) + " |",
+        "|" + "---|" * (14 + len(anchors)),
     ]
     lines += [engine_row(record, anchors) for record in engine_records(results)]
     lines += auto_rows(results)

@@ -54,6 +54,8 @@ class SweepOptions:
     plots: bool = True
     hisparse: dict | None = None  # HiSparseConfig fields for every engine cell; None: dense attention
     draft_vocab_sizes: list = field(default_factory=lambda: [None])  # cells with k > 0, per size; None: engine default
+    dequantize: bool = False  # engine cells widen a GGUF's quantized matrices (LLM(dequantize=True))
+    quantize: str | None = None  # engine cells quantize a float checkpoint at load (LLM(quantize=...))
     command: list[str] = field(default_factory=list)
 
 
@@ -71,7 +73,8 @@ def plan(options: SweepOptions, prompt_ids: list[list[int]], max_seq_len: int) -
                     name = f"{mode} k={k} b={batch}" + (f" v={size}" if size else "")
                     cells.append(dict(kind="engine", name=name, graph_mode=mode, num_speculative_tokens=k,
                                       batch_size=batch, max_seq_len=max_seq_len, buckets=options.buckets,
-                                      hisparse=options.hisparse, draft_vocab_size=size, **common))
+                                      hisparse=options.hisparse, draft_vocab_size=size,
+                                      dequantize=options.dequantize, quantize=options.quantize, **common))
     return cells
 
 

@@ -13,6 +13,7 @@ from .config import DEFAULT_MAX_SPECULATIVE_TOKENS, EngineConfig, GraphMode, dra
 from .errors import CompiledSpecError
 from .hisparse.config import HiSparseConfig
 from .hisparse.indexer import attach_indexers
+from .model.packed_linear import weight_format
 from .model.rope import rotary_tables
 from .params import RequestOutput, SamplingParams, SpecStats
 from .registry import (default_draft_dtype, default_draft_vocab_size, default_num_speculative_tokens, resolve_model,
@@ -51,6 +52,7 @@ class LLM:
         compile_workers: int | None = None,
         verify_graphs_every: int = 0,
         dequantize: bool = False,
+        quantize: str | None = None,
     ):
         """num_speculative_tokens: drafts per step (k), or "auto": before each step, the k in
         0..max_speculative_tokens with the most expected tokens per second, from step times measured at warm-up
@@ -72,7 +74,10 @@ class LLM:
         decode state; a compiled step that wrote anything else is replaced by eager's result, and the engine falls
         back to a safer graph mode (full, piecewise -> compile -> eager). 0, the default: off.
         dequantize: a GGUF's quantized matrices are widened to dtype at load, instead of kept packed and multiplied
-        by the weight-only quantized kernel (model/packed_linear.py)."""
+        by the weight-only quantized kernel (model/packed_linear.py).
+        quantize: "q8_0" or "q4_0": a float checkpoint's (safetensors, or a GGUF of F32/F16/BF16 tensors) main-model
+        matrices, embedding and head are quantized at load with the gguf package's quantizer and kept packed, as a
+        GGUF file of that type would be; rows that are not whole 32-value blocks, and the MTP modules, stay float."""
         self.path = resolve_model(model) or DEFAULT_MODEL
         mtp = mtp if mtp is not None else shipped_mtp_modules(self.path)
         self.mtp_path = None if mtp is None else Path(mtp)
@@ -97,7 +102,7 @@ class LLM:
         draft_dtype = draft_dtype_name(draft_dtype, self.config.dtype)
         self.model = load_model(self.path, self.config.torch_dtype(), device, mtp=mtp,
                                 draft_vocab_size=draft_vocab_size, draft_dtype=getattr(torch, draft_dtype),
-                                dequantize=dequantize)
+                                dequantize=dequantize, quantize=quantize)
         self.model_config = self.model.config
         if num_speculative_tokens is None:
             self.config.num_speculative_tokens = default_num_speculative_tokens(
@@ -123,11 +128,16 @@ class LLM:
                 num_speculative_tokens=self.config.num_speculative_tokens, max_speculative_tokens=max_speculative_tokens,
                 max_batch_size=max_batch_size, max_seq_len=max_seq_len, device=device, dtype=self.config.dtype,
                 seed=seed, batch_buckets=batch_buckets, prefill_buckets=prefill_buckets, hisparse=hisparse,
-                dequantize=dequantize,
+                dequantize=dequantize, quantize=quantize,
             )
         if warm_up:
             self.engine.warm_up(show_progress)
         self._requests_made = itertools.count()  # seeds unseeded requests; next() is atomic across threads
+
+    @property
+    def weight_format(self) -> str:
+        """How the main model's matrices are held: e.g. "Q4_1+Q8_0 packed", or "float32"."""
+        return weight_format(self.model)
 
     @property
     def num_speculative_tokens(self) -> int | str:

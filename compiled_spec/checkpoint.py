@@ -18,8 +18,11 @@ from .gguf_checkpoint import is_gguf, read_gguf
 from .model.causal_lm import CausalLM
 from .model import decode_attention
 from .model.half_weight_linear import store_drafts_in_half
+from .model.layers import MoE
 from .huge_pages import copies_on_huge_pages
-from .quantized_weights import PackedMatrix, use_packed_weights
+from .quantized_weights import PackedMatrix, pack, use_packed_weights
+
+QUANTIZE_TYPES = ("q8_0", "q4_0")  # quantize= at load, with the gguf package's quantizers
 
 
 @dataclass(frozen=True)
@@ -261,13 +264,17 @@ def draft_vocabulary(ranking: torch.Tensor | None, size: int | None, default_siz
 
 def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu",
                mtp: str | Path | None = None, draft_vocab_size: int | None = None,
-               draft_dtype: torch.dtype | None = None, dequantize: bool = False) -> CausalLM:
+               draft_dtype: torch.dtype | None = None, dequantize: bool = False,
+               quantize: str | None = None) -> CausalLM:
     """The model at `path`; with `mtp`, the MTP modules come from that directory instead of the checkpoint.
 
     draft_vocab_size: drafts sample over that many of the MTP directory's ranked tokens (see draft_vocabulary).
     draft_dtype: torch.float16 stores the drafts' weights in float16 (model/half_weight_linear.py); None, in dtype.
-    dequantize: a GGUF's quantized matrices are widened to dtype instead of kept packed (model/packed_linear.py)."""
+    dequantize: a GGUF's quantized matrices are widened to dtype instead of kept packed (model/packed_linear.py).
+    quantize: "q8_0" or "q4_0": a float checkpoint's main-model matrices are quantized to that GGUF type and kept
+    packed, as if a GGUF file had stored them so (quantize_matrices)."""
     path = Path(path)
+    quantize = quantize_type(quantize, dequantize)
     raw_config, tensors = read_checkpoint(path, dequantize)
     config = ModelConfig.from_hf(raw_config)
     state, num_mtp, hidden_first = split_weights(tensors, config.num_hidden_layers)
@@ -293,6 +300,8 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str
             raise CompiledSpecError(
                 f"checkpoint tensor {name} has shape {tuple(state[name].shape)}, config.json implies {tuple(tensor.shape)}"
             )
+    if quantize is not None:
+        state = quantize_matrices(model, state, quantize, path)
     packed = any(isinstance(tensor, PackedMatrix) for tensor in state.values())
     if packed:
         state = use_packed_weights(model, state)
@@ -309,11 +318,49 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str
         loaded = on_huge_pages(loaded)
     model.load_state_dict(loaded, assign=True, strict=True)
     del state, tensors, loaded
-    if torch.device(device).type == "cpu":
-        release_freed_memory()
     if draft_vocab is not None:
         model.use_draft_vocab(draft_vocab.to(device), torch.float16 if half_drafts else None)
+    if torch.device(device).type == "cpu":
+        release_freed_memory()  # after the draft head too: it widens its rows of a packed head, 19 MB for SmolLM2
     return model.eval().requires_grad_(False)
+
+
+def quantize_type(quantize: str | None, dequantize: bool) -> str | None:
+    """quantize= checked: None, or the GGUF type name ("Q8_0", "Q4_0")."""
+    if quantize is None:
+        return None
+    if not isinstance(quantize, str) or quantize.lower() not in QUANTIZE_TYPES:
+        raise CompiledSpecError(f"quantize={quantize!r} is not a type weights can be quantized to at load; allowed: "
+                                f"{', '.join(QUANTIZE_TYPES)}", param="quantize")
+    if dequantize:
+        raise CompiledSpecError(f"quantize={quantize!r} with dequantize=True: one quantizes float weights, the other "
+                                "widens quantized ones; choose one", param="quantize")
+    return quantize.upper()
+
+
+def quantize_matrices(model: CausalLM, state: dict, type_name: str, path: Path) -> dict:
+    """`state` with the main model's linear weights, its embedding and untied head (as a GGUF file has them) quantized
+    to GGUF `type_name` blocks by the gguf package, then packed as a GGUF file's blocks are. MTP modules, the MoE
+    router, stacked experts and matrices whose rows are not whole 32-value blocks stay float."""
+    from gguf import GGMLQuantizationType, quants
+
+    already = sorted({tensor.format for tensor in state.values() if isinstance(tensor, PackedMatrix)})
+    if already:
+        raise CompiledSpecError(f"{path.name} is already quantized ({'+'.join(already)}); quantize= applies to float "
+                                "checkpoints (safetensors, or a GGUF of F32/F16/BF16 tensors)", param="quantize")
+    modules = dict(model.named_modules())
+    out = dict(state)
+    for name, tensor in state.items():
+        prefix = name.removesuffix(".weight")
+        if name.startswith("mtp.") or prefix == name or tensor.dim() != 2 or tensor.shape[1] % 32:
+            continue
+        parent, _, child = prefix.rpartition(".")
+        if type(modules.get(prefix)) not in (torch.nn.Linear, torch.nn.Embedding) or \
+                (child == "gate" and isinstance(modules[parent], MoE)):
+            continue  # not a module of this model (an untied head's copy in a tied one), or the MoE router
+        blocks = quants.quantize(tensor.float().numpy(), getattr(GGMLQuantizationType, type_name))
+        out[name] = pack(blocks, type_name)
+    return out
 
 
 def release_freed_memory() -> None:

@@ -92,9 +92,11 @@ class Summary:
     """All requests of one command together: tokens/s and the merged speculation statistics."""
 
     def __init__(self, num_speculative_tokens: int | str, graph_mode: str, outputs: list[RequestOutput],
-                 elapsed_s: float, draft_slots: int | None = None):
-        """num_speculative_tokens: k or "auto"; draft_slots: the most drafts a step verifies (default: k)."""
+                 elapsed_s: float, draft_slots: int | None = None, weight_format: str | None = None):
+        """num_speculative_tokens: k or "auto"; draft_slots: the most drafts a step verifies (default: k);
+        weight_format: how the main model's matrices are held (LLM.weight_format)."""
         self.num_speculative_tokens = num_speculative_tokens
+        self.weight_format = weight_format
         self.graph_mode = graph_mode
         self.elapsed_s = elapsed_s
         self.requests = len(outputs)
@@ -122,6 +124,8 @@ class Summary:
                 parts.append(f"chosen: {num_drafts_used(self.stats)}")
             parts.append(f"mean accepted length {self.stats.mean_accepted_length:.2f} tokens/step "
                          f"over {self.stats.steps} steps")
+        if self.weight_format:
+            parts.append(f"weights: {self.weight_format}")
         if (kernels := decode_attention.status()).startswith("not built"):
             parts.append(f"CPU kernels {kernels} (slower fallbacks)")
         if self.errors:
@@ -138,6 +142,7 @@ class Summary:
             "graph_mode": self.graph_mode,
             "num_speculative_tokens": self.num_speculative_tokens,
             "stats": stats_record(self.stats),
+            "weight_format": self.weight_format,
             "cpu_kernels": decode_attention.status(),
         }
 

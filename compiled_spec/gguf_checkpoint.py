@@ -8,6 +8,8 @@ projections (to interleave RoPE pairs); that permutation is undone so the weight
 
 from __future__ import annotations
 
+import struct
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -54,12 +56,34 @@ def is_gguf(path: Path) -> bool:
 
 
 def _reader(path: Path):
-    from gguf import GGUFReader
+    from gguf import GGUFReader, GGUFValueType
+
+    class ArraysUnread(GGUFReader):
+        """gguf's reader, except that an array field's items are stepped over, not read: the tokenizer's arrays
+        (tokens, merges: about 100,000 strings for SmolLM2) would each become numpy views, 150 MB of small Python
+        objects whose freed space the loaded model's objects then pin, page by page, for good. Such a field keeps
+        only its type and length parts."""
+
+        def _get_field_parts(self, orig_offs: int, raw_type: int):
+            if GGUFValueType(raw_type) != GGUFValueType.ARRAY:
+                return super()._get_field_parts(orig_offs, raw_type)
+            item_type, length = self._get(orig_offs, np.uint32), self._get(orig_offs + 4, np.uint64)
+            offs, count, item = orig_offs + 12, int(length[0]), GGUFValueType(int(item_type[0]))
+            if item == GGUFValueType.STRING:
+                order = ">" if (self.byte_order == "S") == (sys.byteorder == "little") else "<"
+                sizes = struct.Struct(order + "Q")
+                for _ in range(count):
+                    offs += 8 + sizes.unpack_from(self.data.base, offs)[0]
+            elif item in self.gguf_scalar_to_np:
+                offs += count * np.dtype(self.gguf_scalar_to_np[item]).itemsize
+            else:  # nested arrays: read as gguf reads them
+                return super()._get_field_parts(orig_offs, raw_type)
+            return offs - orig_offs, [item_type, length], [], [GGUFValueType.ARRAY, item]
 
     if not path.is_file():
         raise CompiledSpecError(f"GGUF file {str(path)!r} does not exist")
     try:
-        return GGUFReader(str(path))
+        return ArraysUnread(str(path))
     except Exception as error:  # gguf raises ValueError, struct.error or IndexError on a truncated file
         raise CompiledSpecError(f"cannot read {path.name}: the GGUF file is truncated or corrupt ({error})") from None
 
@@ -110,7 +134,8 @@ def gguf_config(reader, path: Path) -> dict:
         if value is not None:
             config[hf_key] = value
     if "vocab_size" not in config:
-        config["vocab_size"] = len(field_value(reader, "tokenizer.ggml.tokens", []))
+        tokens = reader.fields.get("tokenizer.ggml.tokens")  # parts: key length, key, type, item type, length
+        config["vocab_size"] = 0 if tokens is None else int(tokens.parts[4][0])
     if "head_dim" not in config and "hidden_size" in config and "num_attention_heads" in config:
         config["head_dim"] = config["hidden_size"] // config["num_attention_heads"]
     names = {tensor.name for tensor in reader.tensors}

@@ -40,6 +40,7 @@ def test_bench_writes_json_markdown_and_plots(sweep):
         assert len(record["acceptance_rate_per_position"]) == 2
         assert 1 <= record["mean_accepted_length"] <= 3
         assert record["warmup_s"] == 0 and record["peak_rss_mib"] > 0
+        assert record["weight_format"] == "float32" and record["weight_bytes"] >= record["main_weight_bytes"]
         assert set(record["speedup_vs"]) == set(ANCHORS) | {"plain-limit"}
         limit = record["batch_size"] * results["environment"]["read_bandwidth_gb_s"] * 1e9 / record["main_weight_bytes"]
         assert record["plain_decoding_limit_tokens_per_s"] == pytest.approx(limit)
@@ -54,6 +55,7 @@ def test_bench_writes_json_markdown_and_plots(sweep):
     assert results["environment"]["plain_cells_over_limit"] == []  # no cell here decodes plainly
     table = (out / "results.md").read_text()
     assert "× plain limit" in table and "GB/s at start" in table and "The probe read low" not in table
+    assert "| peak RSS MiB | weights MiB | weights |" in table
     assert "| eager | 2 | 1 |" in table and "| eager | 2 | 2 |" in table and "| hf-mtp | 1 |" in table
     assert table in result.output
     for name in ("tokens_per_s.png", "acceptance.png"):
@@ -131,6 +133,29 @@ def test_bench_hisparse_reaches_every_engine_cell(tiny_checkpoint, tmp_path):
     assert "Every engine cell decodes with HiSparse: top 4 tokens per query through 8 hot rows" in result.output
     command = json.loads((tmp_path / "results.json").read_text())["command"]
     assert " --hisparse --top-k-tokens 4 --hot-rows 8" in command
+
+
+def test_bench_records_packed_weights_at_their_packed_size(tiny_checkpoint, tmp_path):
+    """--quantize reaches every engine cell; weight_bytes counts each tensor the model holds once (the packed parts
+    of a matrix, not a float copy), and the table shows the MiB and the format."""
+    from compiled_spec import LLM
+    from compiled_spec.model.packed_linear import PackedLinear
+
+    path = tiny_checkpoint("llama_tied").path
+    args = ["bench", "--model", str(path), "--graph-modes", "eager", "-k", "0", "--anchors", "none",
+            "--max-tokens", "4", "--threads", "1", "--out", str(tmp_path), "--quantize", "q8_0"]
+    result = CliRunner().invoke(cli.main, args, prog_name="compiled-spec")
+    assert result.exit_code == 0, result.output
+    (record,) = records(tmp_path, kind="engine")
+    assert record["status"] == "ok" and record["weight_format"] == "Q8_0 packed"
+    settings = dict(graph_mode="eager", num_speculative_tokens=0, max_seq_len=64, show_progress=False)
+    packed, plain = LLM(path, quantize="q8_0", **settings).model, LLM(path, **settings).model
+    quantized = sum(m.out_features * m.in_features for m in packed.modules() if isinstance(m, PackedLinear))
+    plain_bytes = sum(t.nbytes for t in [*plain.parameters(), *plain.buffers()])  # the tied head is one parameter
+    # Each packed weight: one int8 and a float32 scale per 32 values, in place of a float32.
+    assert record["weight_bytes"] == plain_bytes - 4 * quantized + quantized + quantized // 32 * 4
+    assert f"| {record['weight_bytes'] / 2**20:.1f} | Q8_0 packed |" in result.output
+    assert " --quantize q8_0" in json.loads((tmp_path / "results.json").read_text())["command"]
 
 
 def test_bench_rejects_a_hot_buffer_smaller_than_top_k(tmp_path):

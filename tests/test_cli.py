@@ -14,6 +14,7 @@ from click.testing import CliRunner
 import cli
 from compiled_spec import GraphMode
 from compiled_spec.cli_format import Streamer
+from compiled_spec.checkpoint import QUANTIZE_TYPES
 from compiled_spec.config import DEFAULT_MAX_SPECULATIVE_TOKENS, MAX_SPECULATIVE_TOKENS
 from compiled_spec.training.mtp_corpus import DOMAINS
 from compiled_spec.training.train_tokenizer import train_byte_level_bpe
@@ -53,7 +54,7 @@ def test_generate_prints_the_text_then_one_stats_line(text_model):
     assert lines[0].startswith("ROMEO:")
     assert re.fullmatch(
         r"stats: \d+ tokens in [\d.]+ s \([\d.]+ tokens/s\) \| k=3, acceptance by draft position: "
-        r"\d+% \d+% \d+% \| mean accepted length [\d.]+ tokens/step over \d+ steps", lines[-1]
+        r"\d+% \d+% \d+% \| mean accepted length [\d.]+ tokens/step over \d+ steps \| weights: float32", lines[-1]
     ), lines[-1]
 
 
@@ -79,7 +80,7 @@ def test_json_has_one_record_per_prompt_and_the_aggregate(ids_model):
     total = aggregate["aggregate"]
     assert total["requests"] == 2 and total["errors"] == 0 and total["generated_tokens"] == 12
     assert total["stats"]["steps"] == sum(r["stats"]["steps"] for r in records)
-    assert total["tokens_per_s"] > 0 and total["graph_mode"] == "eager"
+    assert total["tokens_per_s"] > 0 and total["graph_mode"] == "eager" and total["weight_format"] == "float32"
     assert total["cpu_kernels"] in ("built", "not needed")  # eager needs none; "not built: <why>" would say why
 
 
@@ -157,6 +158,31 @@ def test_cli_choices_mirror_the_engine():
     assert cli.DOMAINS == DOMAINS
     assert cli.MAX_SPECULATIVE_TOKENS == MAX_SPECULATIVE_TOKENS
     assert cli.DEFAULT_MAX_SPECULATIVE_TOKENS == DEFAULT_MAX_SPECULATIVE_TOKENS
+    assert cli.QUANTIZE_TYPES == QUANTIZE_TYPES
+
+
+def test_weight_options_reach_the_engine_and_the_stats_name_the_format(ids_model, tmp_path):
+    """--dequantize and --quantize (generate and serve share them with the engine options) load the weights as asked;
+    the stats line and the JSON aggregate say how they are held."""
+    from tiny_gguf import write_gguf
+
+    gguf_path, _ = write_gguf(tmp_path, "llama", "Q4_1")
+    ids = ["--prompt-ids", "2,3,4", "-k", "0", *SMALL]
+    runs = {"packed": invoke("--model", str(gguf_path), *ids), "widened": invoke("--model", str(gguf_path),
+                                                                                 "--dequantize", *ids),
+            "quantized": invoke("--model", ids_model, "--quantize", "q8_0", "--json", *ids)}
+    assert all(result.exit_code == 0 for result in runs.values()), {k: r.output for k, r in runs.items()}
+    assert runs["packed"].stdout.splitlines()[-1].endswith(" | weights: Q4_1 packed")
+    assert runs["widened"].stdout.splitlines()[-1].endswith(" | weights: float32")
+    assert json.loads(runs["quantized"].stdout.splitlines()[-1])["aggregate"]["weight_format"] == "Q8_0 packed"
+    for command in ("generate", "serve"):
+        extra = ["--prompt-ids", "2"] if command == "generate" else []
+        already = CliRunner().invoke(cli.main, [command, "--model", str(gguf_path), "--quantize", "q4_0", *extra])
+        both = CliRunner().invoke(cli.main, [command, "--model", ids_model, "--quantize", "q4_0", "--dequantize",
+                                             *extra])
+        assert already.exit_code == both.exit_code == 2, (already.output, both.output)
+        assert "error: model.gguf is already quantized (Q4_1)" in already.stderr
+        assert "error: quantize='q4_0' with dequantize=True" in both.stderr
 
 
 def test_stream_never_prints_a_stop_string():
