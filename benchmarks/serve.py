@@ -129,17 +129,25 @@ def servers(args) -> list[tuple[str, list[str] | None, str, str]]:
     return listed
 
 
+def resident_mib(pid: int) -> float:
+    """The server process's resident memory (its own, not a compile child's), from /proc."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError(f"no VmRSS for process {pid}")
+
+
 def latency_pair(values: dict | None) -> str:
     return "–" if not values else f"{values['p50']:.1f} / {values['p99']:.1f}"
 
 
 def markdown(results: dict) -> str:
     lines = ["| server | clients | requests | errors | output tokens/s | TTFT p50 / p99 ms | ITL p50 / p99 ms | "
-             "decode tokens/s per request (p50) | acceptance by position | tokens/step |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "decode tokens/s per request (p50) | acceptance by position | tokens/step | RSS MiB after warm-up / at end |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for server in results["servers"]:
         if server.get("skipped"):
-            lines.append(f"| {server['name']} | skipped: {server['skipped']} | | | | | | | | |")
+            lines.append(f"| {server['name']} | skipped: {server['skipped']} | | | | | | | | | |")
             continue
         for level in server["levels"]:
             rates = level.get("acceptance_rate_per_position")
@@ -149,7 +157,8 @@ def markdown(results: dict) -> str:
                      latency_pair(level["itl_ms"]),
                      f"{level['decode_tokens_per_s_per_request_p50'] or 0:.1f}",
                      " ".join(f"{r:.0%}" for r in rates) if rates else "–",
-                     f"{tokens_per_step:.2f}" if tokens_per_step else "–"]
+                     f"{tokens_per_step:.2f}" if tokens_per_step else "–",
+                     f"{server['rss_mib_after_warm_up']:.0f} / {level['rss_mib_at_end']:.0f}"]
             lines.append("| " + " | ".join(map(str, cells)) + " |")
     return "\n".join(lines) + "\n"
 
@@ -186,10 +195,11 @@ def main(argv: list[str] | None = None) -> None:
                             env=env) as live:
             client = live.client()
             one_request(client, model, DEFAULT_TEXT_PROMPTS[0], 8, True)  # warm: first-request costs out of the way
-            server = {"name": name, "levels": []}
+            server = {"name": name, "levels": [], "rss_mib_after_warm_up": resident_mib(live.process.pid)}
             for concurrency in levels:
                 level = run_level(client, model, concurrency, args.duration, args.max_tokens,
                                   spec_usage="compiled-spec" in name)
+                level["rss_mib_at_end"] = resident_mib(live.process.pid)  # growth here would be a leak
                 server["levels"].append(level)
                 print(f"{name}: {concurrency} clients: {level['output_tokens_per_s']:.1f} tokens/s, "
                       f"{level['requests']} requests, {level['errors']} errors", flush=True)

@@ -281,5 +281,7 @@ def test_the_serve_benchmark_runs_its_levels_without_errors(model_dir, tmp_path)
         assert level["errors"] == 0 and level["requests"] > 0
         assert level["output_tokens"] == 8 * level["requests"]
         assert len(level["acceptance_rate_per_position"]) == 2 and level["ttft_ms"]["p50"] > 0
+        assert 50 < ours["rss_mib_after_warm_up"] and 50 < level["rss_mib_at_end"] < 8192  # the server's own MiB
+    assert "RSS MiB after warm-up / at end" in (tmp_path / "serve.md").read_text()
     assert llama_cpp["skipped"].startswith("no --llama-cpp-gguf")
     assert "| compiled-spec (k=2, eager) | 3 |" in (tmp_path / "serve.md").read_text()
