@@ -90,7 +90,7 @@ def test_several_prompts_print_a_header_each(ids_model):
     lines = result.stdout.splitlines()
     assert lines[0].startswith("--- prompt 1 of 2: ") and lines[1].startswith("2 3 -> ")
     assert lines[2].startswith("--- prompt 2 of 2: ") and lines[3].startswith("7 -> ")
-    assert lines[-1].endswith("k=0: no speculation")
+    assert lines[-1].startswith("stats: ") and "| k=0: no speculation |" in lines[-1] and lines[-1].endswith("| weights: float32")
 
 
 def test_a_failed_prompt_exits_1_after_printing_the_others(ids_model):
