@@ -62,10 +62,18 @@ def _half(data: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(data).view(np.float16).astype(np.float32)[..., 0]
 
 
+def _paired(blocks: np.ndarray) -> np.ndarray:
+    """4-bit blocks [rows, B, 16] (byte j: value j low, value j + 16 high) -> packed_linear's bytes [rows, B * 16]:
+    each pair of blocks interleaved byte by byte, a row's odd last block as it is."""
+    rows, count = blocks.shape[:2]
+    pairs = blocks[:, :count - count % 2].reshape(rows, -1, 2, 16).transpose(0, 1, 3, 2).reshape(rows, -1)
+    return np.concatenate([pairs, blocks[:, count - count % 2:].reshape(rows, -1)], axis=1)
+
+
 def _nibbles(values: np.ndarray) -> np.ndarray:
-    """4-bit values [rows, K] (uint8) -> packed_linear's bytes [rows, K/2]: value j low, value j + 16 high."""
+    """4-bit values [rows, K] (uint8) -> packed_linear's bytes [rows, K/2]."""
     blocks = values.reshape(values.shape[0], -1, 2, 16)
-    return (blocks[:, :, 0] | (blocks[:, :, 1] << np.uint8(4))).reshape(values.shape[0], -1)
+    return _paired(blocks[:, :, 0] | (blocks[:, :, 1] << np.uint8(4)))
 
 
 def _tensor(array: np.ndarray) -> torch.Tensor:
@@ -82,7 +90,7 @@ def pack(data: np.ndarray, type_name: str) -> PackedMatrix:
         blocks = data.reshape(rows, -1, header + 16)
         scales = _half(blocks[..., 0:2])
         mins = -8 * scales if type_name == "Q4_0" else _half(blocks[..., 2:4])
-        return PackedMatrix(type_name, _tensor(blocks[..., header:].reshape(rows, -1)), _tensor(scales), _tensor(mins))
+        return PackedMatrix(type_name, _tensor(_paired(blocks[..., header:])), _tensor(scales), _tensor(mins))
     if type_name == "Q8_0":
         blocks = data.reshape(rows, -1, 34)
         return PackedMatrix(type_name, _tensor(blocks[..., 2:].reshape(rows, -1).view(np.int8)),
