@@ -1,8 +1,10 @@
 // x @ W.T for fp32 rows against weights kept quantized (packed_linear.py lays them out):
-//   4-bit: nibbles uint8 [N, K/2], a float32 scale and min per 32-value block [N, K/32]: w = scale * q + min.
+//   4-bit: nibbles uint8 [N, K/2], a scale and min per 32-value block [N, K/32]: w = scale * q + min.
 //          Blocks go in pairs, 32 bytes for 64 values: 16-bit word l holds values l, l + 16, l + 32, l + 48 from its
 //          low nibble up. A row's odd last block is 16 bytes: byte l holds value l low, l + 16 high.
-//   8-bit: int8 [N, K], a float32 scale per group of 16 or 32 values [N, K/G]: w = scale * q.
+//   8-bit: int8 [N, K], a scale per group of 16 or 32 values [N, K/G]: w = scale * q.
+// Scales and mins are float32, or float16 where that holds them exactly (fewer bytes to stream): those are widened to
+// float32 a tile of weight rows at a time.
 // A tile of a few weight rows by a few input rows is multiplied at a time, so each widened weight vector feeds every
 // input row and each input vector every weight row; one transposing reduce per four accumulators ends it.
 // Built with decode_attention.cpp by decode_attention.py; registers compiled_spec_cpu::packed_linear_4bit/_8bit.
@@ -12,7 +14,7 @@
 
 #include <cstdint>
 
-#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__) && defined(__F16C__))
 #include <immintrin.h>
 #define PACKED_KERNEL 1
 #endif
@@ -74,6 +76,13 @@ inline fvec widen_s8(const int8_t* p) {
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
 
+inline void widen_halves(const at::Half* from, int64_t count, float* to) {
+  for (int64_t i = 0; i < count; i += 16) {
+    const __mmask16 lanes = count - i >= 16 ? 0xFFFF : (1u << (count - i)) - 1;
+    _mm512_mask_storeu_ps(to + i, lanes, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(lanes, from + i)));
+  }
+}
+
 inline __m256 fold(fvec v) {
   return _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
 }
@@ -113,6 +122,13 @@ inline fvec widen_s8(const int8_t* p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
 
+inline void widen_halves(const at::Half* from, int64_t count, float* to) {
+  int64_t i = 0;
+  for (; i + 8 <= count; i += 8)
+    _mm256_storeu_ps(to + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(from + i))));
+  for (; i < count; ++i) to[i] = float(from[i]);
+}
+
 inline __m256 fold(fvec v) { return v; }
 #endif
 
@@ -122,41 +138,50 @@ inline __m128 sum4(fvec a, fvec b, fvec c, fvec d) {
   return _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
 }
 
+// A weight's float32 scales (or mins) by row: the tensor's own, or a tile's widened from float16 (rows from first).
+struct ScaleRows {
+  const float* data;
+  int64_t first;
+  const float* row(int64_t n, int64_t per_row) const { return data + (n - first) * per_row; }
+};
+
 // Each format widens a row's span of SPAN values (the last span of a 4-bit row may be a lone 32-value block).
 struct FourBit {
-  static constexpr int64_t SPAN = 64, SPAN_BYTES = 32;
+  static constexpr int64_t SPAN = 64, SPAN_BYTES = 32, GROUP = BLOCK;
   const uint8_t* nibbles;
-  const float* scales;
-  const float* mins;
+  ScaleRows scales, mins;
   int64_t K;
   void widen(int64_t n, int64_t span, fvec* w) const {
-    const int64_t block = n * (K / BLOCK) + span * 2;
-    widen_pair(nibbles + n * (K / 2) + span * 32, scales + block, mins + block, w);
+    widen_pair(nibbles + n * (K / 2) + span * 32, scales.row(n, K / BLOCK) + span * 2, mins.row(n, K / BLOCK) + span * 2,
+               w);
   }
   void widen_last_block(int64_t n, fvec* w) const {
-    const int64_t block = (n + 1) * (K / BLOCK) - 1;
-    widen_block(nibbles + (n + 1) * (K / 2) - 16, scales[block], mins[block], w);
+    const int64_t last = K / BLOCK - 1;
+    widen_block(nibbles + (n + 1) * (K / 2) - 16, scales.row(n, K / BLOCK)[last], mins.row(n, K / BLOCK)[last], w);
   }
   const void* row_bytes(int64_t n) const { return nibbles + n * (K / 2); }
 };
 
-template <int GROUP>
+template <int G>
 struct EightBit {
-  static constexpr int64_t SPAN = 32, SPAN_BYTES = 32;
+  static constexpr int64_t SPAN = 32, SPAN_BYTES = 32, GROUP = G;
   const int8_t* values;
-  const float* scales;
+  ScaleRows scales, mins;  // no mins
   int64_t K;
   void widen(int64_t n, int64_t span, fvec* w) const {
     const int8_t* bytes = values + n * K + span * SPAN;
-    const float* s = scales + n * (K / GROUP) + span * (SPAN / GROUP);
+    const float* s = scales.row(n, K / GROUP) + span * (SPAN / GROUP);
     for (int c = 0; c < SPAN / LANES; ++c) w[c] = vmul(widen_s8(bytes + c * LANES), vset1(s[c * LANES / GROUP]));
   }
   void widen_last_block(int64_t, fvec*) const {}
   const void* row_bytes(int64_t n) const { return values + n * K; }
 };
 
-// How far ahead (bytes) of the span being read the same weight row is prefetched.
-constexpr int64_t PREFETCH_BYTES = 512;
+// How far ahead of the span being read the weight bytes are prefetched (a tile's rows are adjacent, so this reaches a
+// tile or more ahead), and how many tiles ahead the scales: one tile's work at 1 input row is shorter than a read
+// from memory.
+constexpr int64_t PREFETCH_BYTES = 4096;
+constexpr int64_t SCALES_AHEAD = 2;
 
 // out[m, n + r] for R weight rows from n and MB input rows from x (x[m] at x + m * K), m < MB, r < R.
 template <int R, int MB, class Format>
@@ -203,12 +228,41 @@ void multiply_rows(const Format& format, int64_t n, const float* x, int64_t M, i
 }
 
 // Weight rows per tile: four while the tile's accumulators fit the registers (4 x 4 vectors), two up to 8 rows.
+// The scales' and mins' memory (mins null for 8-bit); when float16, format's own are unused.
+struct ScaleMemory {
+  const void* scales;
+  const void* mins;
+  bool half;
+};
+
 template <class Format>
-void multiply(const Format& format, const float* x, int64_t M, int64_t K, float* out, int64_t N) {
-  const int64_t rows_per_tile = M <= 4 ? 4 : 2;
+void multiply(const Format& format, ScaleMemory memory, const float* x, int64_t M, int64_t K, float* out, int64_t N) {
+  const int64_t rows_per_tile = M <= 4 ? 4 : 2, per_row = K / Format::GROUP;
+  const at::Half* half_scales = memory.half ? static_cast<const at::Half*>(memory.scales) : nullptr;
+  const at::Half* half_mins = memory.half ? static_cast<const at::Half*>(memory.mins) : nullptr;
+  const int64_t row_scale_bytes = per_row * (memory.half ? 2 : 4);
   at::parallel_for(0, (N + rows_per_tile - 1) / rows_per_tile, 4, [&](int64_t begin, int64_t end) {
+    Format tile_format = format;
+    std::vector<float> widened(half_scales ? 2 * rows_per_tile * per_row : 0);
     for (int64_t tile = begin; tile < end; ++tile) {
       int64_t n = tile * rows_per_tile;
+      if (n + (SCALES_AHEAD + 1) * rows_per_tile <= N) {
+        const int64_t from = (n + SCALES_AHEAD * rows_per_tile) * row_scale_bytes;
+        for (int64_t b = 0; b < rows_per_tile * row_scale_bytes; b += 64) {
+          __builtin_prefetch(static_cast<const char*>(memory.scales) + from + b);
+          if (memory.mins) __builtin_prefetch(static_cast<const char*>(memory.mins) + from + b);
+        }
+      }
+      if (half_scales) {
+        const int64_t count = std::min(rows_per_tile, N - n) * per_row;
+        widen_halves(half_scales + n * per_row, count, widened.data());
+        tile_format.scales = {widened.data(), n};
+        if (half_mins) {
+          widen_halves(half_mins + n * per_row, count, widened.data() + count);
+          tile_format.mins = {widened.data() + count, n};
+        }
+      }
+      const Format& format = tile_format;
       if (n + rows_per_tile > N)
         for (; n < N; ++n) multiply_rows<1, 8>(format, n, x, M, K, out, N);
       else if (rows_per_tile == 4)
@@ -224,7 +278,8 @@ void check_rows(const at::Tensor& x, const at::Tensor& scales, int64_t K, const 
   TORCH_CHECK(x.scalar_type() == at::kFloat, op, ": x must be float32, got ", x.scalar_type());
   TORCH_CHECK(x.size(-1) == K, op, ": x has ", x.size(-1), " features, the weight ", K);
   TORCH_CHECK(K % BLOCK == 0, op, ": the weight's row length ", K, " is not a multiple of ", BLOCK);
-  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.dim() == 2, op, ": scales must be 2-d float32");
+  TORCH_CHECK((scales.scalar_type() == at::kFloat || scales.scalar_type() == at::kHalf) && scales.dim() == 2, op,
+              ": scales must be 2-d float32 or float16");
 }
 
 at::Tensor output_for(const at::Tensor& x, int64_t N) {
@@ -278,19 +333,24 @@ at::Tensor packed_linear_4bit(const at::Tensor& x, const at::Tensor& nibbles, co
   const int64_t N = nibbles.size(0), K = nibbles.size(1) * 2, blocks = K / BLOCK;
   check_rows(x, scales, K, "packed_linear_4bit");
   TORCH_CHECK(scales.sizes() == at::IntArrayRef({N, blocks}) && mins.sizes() == scales.sizes() &&
-                  mins.scalar_type() == at::kFloat, "packed_linear_4bit: scales and mins must be [", N, ", ", blocks, "]");
+                  mins.scalar_type() == scales.scalar_type(),
+              "packed_linear_4bit: scales and mins must be [", N, ", ", blocks, "] of one dtype");
   const at::Tensor q = nibbles.contiguous(), s = scales.contiguous(), mn = mins.contiguous();
   const uint8_t* qp = q.data_ptr<uint8_t>();
-  const float *sp = s.data_ptr<float>(), *mp = mn.data_ptr<float>();
   const int64_t M = x.numel() / K;
 #ifdef PACKED_KERNEL
   if (M <= KERNEL_MAX_ROWS) {
     const at::Tensor rows = x.contiguous();
     at::Tensor out = output_for(x, N);
-    multiply(FourBit{qp, sp, mp, K}, rows.data_ptr<float>(), M, K, out.data_ptr<float>(), N);
+    const bool half = s.scalar_type() == at::kHalf;
+    const ScaleRows own_scales{half ? nullptr : s.data_ptr<float>(), 0}, own_mins{half ? nullptr : mn.data_ptr<float>(), 0};
+    multiply(FourBit{qp, own_scales, own_mins, K}, {s.data_ptr(), mn.data_ptr(), half}, rows.data_ptr<float>(), M, K,
+             out.data_ptr<float>(), N);
     return out;
   }
 #endif
+  const at::Tensor s32 = s.to(at::kFloat), mn32 = mn.to(at::kFloat);
+  const float *sp = s32.data_ptr<float>(), *mp = mn32.data_ptr<float>();
   return gemm_over_tiles(x, N, [&](int64_t n0, int64_t count) { return widen_4bit(qp, sp, mp, n0, count, K); });
 }
 
@@ -304,7 +364,6 @@ at::Tensor packed_linear_8bit(const at::Tensor& x, const at::Tensor& values, con
   TORCH_CHECK(group == 16 || group == 32, "packed_linear_8bit: groups of 16 or 32 values, got ", group);
   const at::Tensor q = values.contiguous(), s = scales.contiguous();
   const int8_t* qp = q.data_ptr<int8_t>();
-  const float* sp = s.data_ptr<float>();
   const int64_t M = x.numel() / K;
 #ifdef PACKED_KERNEL
   if (M <= KERNEL_MAX_ROWS) {
@@ -312,13 +371,18 @@ at::Tensor packed_linear_8bit(const at::Tensor& x, const at::Tensor& values, con
     at::Tensor out = output_for(x, N);
     const float* xp = rows.data_ptr<float>();
     float* op = out.data_ptr<float>();
+    const bool half = s.scalar_type() == at::kHalf;
+    const ScaleRows own{half ? nullptr : s.data_ptr<float>(), 0};
+    const ScaleMemory memory{s.data_ptr(), nullptr, half};
     if (group == 16)
-      multiply(EightBit<16>{qp, sp, K}, xp, M, K, op, N);
+      multiply(EightBit<16>{qp, own, {}, K}, memory, xp, M, K, op, N);
     else
-      multiply(EightBit<32>{qp, sp, K}, xp, M, K, op, N);
+      multiply(EightBit<32>{qp, own, {}, K}, memory, xp, M, K, op, N);
     return out;
   }
 #endif
+  const at::Tensor s32 = s.to(at::kFloat);
+  const float* sp = s32.data_ptr<float>();
   return gemm_over_tiles(x, N, [&](int64_t n0, int64_t count) { return widen_8bit(qp, sp, n0, count, K, group); });
 }
 
