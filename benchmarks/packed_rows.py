@@ -3,7 +3,7 @@ the packed kernel (model/packed_linear.py) against float32 F.linear over the deq
 weight-only int8 kernel (aten._weight_int8pack_mm, bfloat16 activations: its vectorized CPU path). The best of two
 best-of-5 runs per kind and row count; timings on a shared machine drift, so compare kinds within one run.
 
-    python -m benchmarks.packed_rows [--threads 2] [--rows 1,4,8,16]
+    python -m benchmarks.packed_rows [--threads 2] [--rows 1,4,8,16] [--kinds packed,float32,int8pack]
 """
 
 from __future__ import annotations
@@ -33,20 +33,23 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rows", default="1,4,8,16")
+    parser.add_argument("--kinds", default="packed,float32,int8pack", help="which multiplications to time")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if not decode_attention.load():
         raise SystemExit("the CPU kernels did not build here")
     _, tensors = read_gguf(fetch_model("smollm2-135m"))
     matrices = [tensor for tensor in tensors.values() if hasattr(tensor, "qweight")]
-    widened = [dequantize_rows(m.qweight, m.scales, m.mins) for m in matrices]
+    kinds = args.kinds.split(",")
+    widened = [dequantize_rows(m.qweight, m.scales, m.mins) for m in matrices] if kinds != ["packed"] else []
     int8 = []
-    for weight in widened:
+    for weight in widened if "int8pack" in kinds else []:
         scale = weight.abs().amax(1) / 127
         int8.append(((weight / scale[:, None]).round().to(torch.int8), scale.to(torch.bfloat16)))
     print(f"weights: packed {sum(m.nbytes for m in matrices) / 1e6:.1f} MB, "
-          f"float32 {sum(w.nbytes for w in widened) / 1e6:.1f} MB; {args.threads} threads")
-    print("| rows | packed ms | float32 F.linear ms | int8pack (bf16 x) ms |\n|---|---|---|---|")
+          f"float32 {sum(4 * m.shape[0] * m.shape[1] for m in matrices) / 1e6:.1f} MB; {args.threads} threads")
+    titles = {"packed": "packed", "float32": "float32 F.linear", "int8pack": "int8pack (bf16 x)"}
+    print("| rows | " + " | ".join(f"{titles[kind]} ms" for kind in kinds) + " |\n|---" * (len(kinds) + 1) + "|")
     for rows in map(int, args.rows.split(",")):
         xs = [torch.randn(rows, m.shape[1]) for m in matrices]
         halves = [x.bfloat16() for x in xs]
@@ -55,8 +58,8 @@ def main() -> None:
             "float32": lambda: [F.linear(x, w) for w, x in zip(widened, xs)],
             "int8pack": lambda: [torch.ops.aten._weight_int8pack_mm(x, q, s) for (q, s), x in zip(int8, halves)],
         }
-        times = {name: min(best_ms(run) for _ in range(2)) for name, run in runs.items()}
-        print(f"| {rows} | {times['packed']:.2f} | {times['float32']:.2f} | {times['int8pack']:.2f} |")
+        times = [min(best_ms(runs[kind]) for _ in range(2)) for kind in kinds]
+        print(f"| {rows} | " + " | ".join(f"{ms:.2f}" for ms in times) + " |")
 
 
 if __name__ == "__main__":

@@ -307,8 +307,10 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str
         state = use_packed_weights(model, state)
         expected = model.state_dict()
     keep_fp32 = ("e_score_correction_bias", "gate.weight", ".scales", ".mins")
+    half_scales = (".scales", ".mins")  # a packed matrix's, where float16 holds them exactly (quantized_weights.py)
     loaded = {
-        name: state[name].to(device=device, dtype=torch.float32 if name.endswith(keep_fp32) else
+        name: state[name].to(device=device, dtype=torch.float16 if name.endswith(half_scales) and
+                             tensor.dtype == torch.float16 else torch.float32 if name.endswith(keep_fp32) else
                              tensor.dtype if tensor.dtype in (torch.float16, torch.uint8, torch.int8) else dtype)
         for name, tensor in expected.items()
     }

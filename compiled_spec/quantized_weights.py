@@ -2,7 +2,8 @@
 
 Exact: each weight as packed_linear's dequantize_rows widens it equals gguf's dequantize bitwise (the scales and mins
 are computed in float32 as gguf-py computes them, and scale * q is exact in float32 for these types, so a fused
-multiply-add rounds as gguf's multiply-then-add does).
+multiply-add rounds as gguf's multiply-then-add does). Scales and mins are kept in float16 where every one of a
+matrix's converts exactly (Q4_0, Q4_1 and Q8_0 store float16), else in float32.
 """
 
 from __future__ import annotations
@@ -55,17 +56,32 @@ class PackedMatrix:
     def module(self, embedding: bool = False, bias: torch.Tensor | None = None) -> PackedLinear:
         """An empty (meta-device when made under torch.device("meta")) module this matrix's parts load into."""
         cls = PackedEmbedding if embedding else PackedLinear
-        return cls(*self.shape, self.format, self.four_bit, self.group, bias)
+        return cls(*self.shape, self.format, self.four_bit, self.group, bias, self.scales.dtype)
 
 
 def _half(data: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(data).view(np.float16).astype(np.float32)[..., 0]
 
 
+def _paired(blocks: np.ndarray) -> np.ndarray:
+    """4-bit blocks [rows, B, 16] (byte j: value j low, value j + 16 high) -> packed_linear's bytes [rows, B * 16]:
+    each pair of blocks interleaved byte by byte, a row's odd last block as it is."""
+    rows, count = blocks.shape[:2]
+    pairs = blocks[:, :count - count % 2].reshape(rows, -1, 2, 16).transpose(0, 1, 3, 2).reshape(rows, -1)
+    return np.concatenate([pairs, blocks[:, count - count % 2:].reshape(rows, -1)], axis=1)
+
+
 def _nibbles(values: np.ndarray) -> np.ndarray:
-    """4-bit values [rows, K] (uint8) -> packed_linear's bytes [rows, K/2]: value j low, value j + 16 high."""
+    """4-bit values [rows, K] (uint8) -> packed_linear's bytes [rows, K/2]."""
     blocks = values.reshape(values.shape[0], -1, 2, 16)
-    return (blocks[:, :, 0] | (blocks[:, :, 1] << np.uint8(4))).reshape(values.shape[0], -1)
+    return _paired(blocks[:, :, 0] | (blocks[:, :, 1] << np.uint8(4)))
+
+
+def _compact(*parts: np.ndarray) -> list[np.ndarray]:
+    """float32 scales (and mins) -> float16 where all convert exactly: fewer bytes for the kernel to stream."""
+    halves = [part.astype(np.float16) for part in parts]
+    exact = all(np.array_equal(half.astype(np.float32), part) for half, part in zip(halves, parts))
+    return halves if exact else list(parts)
 
 
 def _tensor(array: np.ndarray) -> torch.Tensor:
@@ -82,11 +98,12 @@ def pack(data: np.ndarray, type_name: str) -> PackedMatrix:
         blocks = data.reshape(rows, -1, header + 16)
         scales = _half(blocks[..., 0:2])
         mins = -8 * scales if type_name == "Q4_0" else _half(blocks[..., 2:4])
-        return PackedMatrix(type_name, _tensor(blocks[..., header:].reshape(rows, -1)), _tensor(scales), _tensor(mins))
+        scales, mins = _compact(scales, mins)
+        return PackedMatrix(type_name, _tensor(_paired(blocks[..., header:])), _tensor(scales), _tensor(mins))
     if type_name == "Q8_0":
         blocks = data.reshape(rows, -1, 34)
-        return PackedMatrix(type_name, _tensor(blocks[..., 2:].reshape(rows, -1).view(np.int8)),
-                            _tensor(_half(blocks[..., 0:2])), None)
+        scales, = _compact(_half(blocks[..., 0:2]))
+        return PackedMatrix(type_name, _tensor(blocks[..., 2:].reshape(rows, -1).view(np.int8)), _tensor(scales), None)
     if type_name == "Q4_K":
         blocks = data.reshape(-1, 144)
         d, dmin = _half(blocks[:, 0:2])[:, None], _half(blocks[:, 2:4])[:, None]
@@ -95,6 +112,7 @@ def pack(data: np.ndarray, type_name: str) -> PackedMatrix:
         mins = -(dmin * m.astype(np.float32)).reshape(rows, -1)
         qs = blocks[:, 16:].reshape(-1, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
         values = (qs & np.uint8(15)).reshape(rows, -1)  # sub-block 2c: chunk c's low nibbles, 2c + 1: its high
+        scales, mins = _compact(scales, mins)
         return PackedMatrix(type_name, _tensor(_nibbles(values)), _tensor(scales), _tensor(mins))
     if type_name == "Q6_K":
         blocks = data.reshape(-1, 210)
@@ -104,6 +122,7 @@ def pack(data: np.ndarray, type_name: str) -> PackedMatrix:
         ql = (ql.reshape(-1, 2, 1, 64) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)) & np.uint8(15)
         qh = (qh.reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)) & np.uint8(3)
         values = (ql.reshape(-1, 8, 32) | (qh.reshape(-1, 8, 32) << np.uint8(4))).astype(np.int8) - np.int8(32)
+        scales, = _compact(scales)
         return PackedMatrix(type_name, _tensor(values.reshape(rows, -1)), _tensor(scales), None)
     raise ValueError(f"no packed layout for {type_name}")
 

@@ -14,20 +14,23 @@ from compiled_spec.model.packed_linear import PackedLinear, dequantize_rows, pac
 from compiled_spec.quantized_weights import PACKED_TYPES, pack
 from tiny_gguf import quantize, write_gguf
 
-ROWS, COLUMNS = 72, 512  # 72 weight rows: threads' chunks end mid-way; two K-quant blocks per row
+# 72 weight rows: threads' chunks end mid-way; two K-quant blocks per row. 74 x 544: a tile of fewer weight rows at
+# the end, and an odd number of 32-value blocks per row (the 4-bit layout's lone last block).
+SHAPES = [(tensor_type, (72, 512)) for tensor_type in PACKED_TYPES] + [
+    (tensor_type, (74, 544)) for tensor_type in ("Q4_0", "Q4_1", "Q8_0")]
 
 
-def quantized(tensor_type: str, seed: int = 0) -> np.ndarray:
-    values = np.random.default_rng(seed).standard_normal((ROWS, COLUMNS)).astype(np.float32) * 0.1
+def quantized(tensor_type: str, shape: tuple[int, int], seed: int = 0) -> np.ndarray:
+    values = np.random.default_rng(seed).standard_normal(shape).astype(np.float32) * 0.1
     return quantize(values, tensor_type)
 
 
-@pytest.mark.parametrize("tensor_type", PACKED_TYPES)
-def test_packed_rows_widen_to_gguf_dequantize_bitwise(tensor_type):
-    data = quantized(tensor_type)
+@pytest.mark.parametrize("tensor_type, shape", SHAPES)
+def test_packed_rows_widen_to_gguf_dequantize_bitwise(tensor_type, shape):
+    data = quantized(tensor_type, shape)
     want = torch.from_numpy(dequantize(data, getattr(GGMLQuantizationType, tensor_type)).astype(np.float32))
     packed = pack(data, tensor_type)
-    assert packed.shape == (ROWS, COLUMNS)
+    assert packed.shape == shape
     assert torch.equal(dequantize_rows(packed.qweight, packed.scales, packed.mins), want)
     index = torch.tensor([[5, 0], [71, 5]])
     module = packed.module(embedding=True)
@@ -35,18 +38,18 @@ def test_packed_rows_widen_to_gguf_dequantize_bitwise(tensor_type):
     assert torch.equal(module(index), want[index])
 
 
-@pytest.mark.parametrize("tensor_type", PACKED_TYPES)
-def test_kernel_equals_the_dequantized_product_for_every_row_count(tensor_type):
+@pytest.mark.parametrize("tensor_type, shape", SHAPES)
+def test_kernel_equals_the_dequantized_product_for_every_row_count(tensor_type, shape):
     assert decode_attention.load()
-    data = quantized(tensor_type, seed=1)
+    data = quantized(tensor_type, shape, seed=1)
     weight = torch.from_numpy(dequantize(data, getattr(GGMLQuantizationType, tensor_type)).astype(np.float64))
     packed = pack(data, tensor_type)
     generator = torch.Generator().manual_seed(0)
     # 1..(k + 1) x batch rows for k <= 3 and batches up to 8, then the tiled GEMM path of a prefill.
     for rows in [*range(1, 13), 16, 24, 31, 32, 33, 100]:
-        x = torch.randn(rows, COLUMNS, generator=generator)
-        got = packed_linear(x.view(1, rows, COLUMNS), packed.qweight, packed.scales, packed.mins)[0]
-        assert got.shape == (rows, ROWS)
+        x = torch.randn(rows, shape[1], generator=generator)
+        got = packed_linear(x.view(1, rows, shape[1]), packed.qweight, packed.scales, packed.mins)[0]
+        assert got.shape == (rows, shape[0])
         torch.testing.assert_close(got.double(), x.double() @ weight.t(), rtol=0, atol=2e-5)
 
 

@@ -1,9 +1,12 @@
 """Weights kept quantized in memory: linear layers, the token embedding and a tied head over packed blocks.
 
 Two layouts cover GGUF's Q4_0, Q4_1, Q4_K, Q8_0 and Q6_K (quantized_weights.py repacks them, exactly):
-  4-bit: nibbles uint8 [N, K/2] (byte j of each 32-value block: value j low, value j + 16 high), float32 scales and
-         mins [N, K/32]; w = scale * q + min.
-  8-bit: int8 values [N, K], float32 scales [N, K/G] with G 16 or 32; w = scale * q.
+  4-bit: nibbles uint8 [N, K/2], scales and mins per 32-value block [N, K/32]; w = scale * q + min. Blocks
+         go in pairs, 32 bytes for 64 values: byte 2l holds value l low and l + 16 high, byte 2l + 1 values l + 32 and
+         l + 48 (so 16-bit word l holds values l, l + 16, l + 32, l + 48 from its low nibble up); a row's odd last
+         block is 16 bytes, byte l holding value l low and l + 16 high.
+  8-bit: int8 values [N, K], scales [N, K/G] with G 16 or 32; w = scale * q.
+Scales and mins are float16 where that holds them exactly, else float32.
 A CPU float32 pass multiplies with the C++ kernel (packed_linear.cpp, built with decode_attention.cpp), in eager and in
 compiled graphs alike: it is a registered op with a fake implementation, so `full`'s AOTInductor packages call it
 and keep the packed bytes as their constants. Elsewhere (CUDA, other dtypes, no kernel) the weight is widened in the
@@ -18,14 +21,22 @@ from torch import nn
 
 from . import decode_attention
 
+def unpack_nibbles(qweight: torch.Tensor) -> torch.Tensor:
+    """4-bit packed rows [..., K/2] -> their values [..., K] (uint8), in order."""
+    pairs = qweight.shape[-1] // 32 * 32
+    paired = qweight[..., :pairs].unflatten(-1, (-1, 16, 2))  # [..., pair, l, byte 2l or 2l + 1]
+    values = torch.stack([paired[..., 0] & 15, paired[..., 0] >> 4, paired[..., 1] & 15, paired[..., 1] >> 4], -2)
+    last = qweight[..., pairs:]
+    return torch.cat([values.flatten(-3), last & 15, last >> 4], dim=-1)
+
+
 def dequantize_rows(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None) -> torch.Tensor:
     """Packed rows [..., K/2] (4-bit) or [..., K] (8-bit) -> float32 [..., K], as gguf's dequantize computes them."""
     if qweight.dtype == torch.uint8:
-        blocks = qweight.unflatten(-1, (-1, 16))
-        values = torch.cat([blocks & 15, blocks >> 4], dim=-1).float()  # [..., K/32, 32]
-        return (values * scales[..., None] + mins[..., None]).flatten(-2)
+        values = unpack_nibbles(qweight).unflatten(-1, (-1, 32)).float()  # [..., K/32, 32]
+        return (values * scales[..., None].float() + mins[..., None].float()).flatten(-2)
     group = qweight.shape[-1] // scales.shape[-1]
-    return (qweight.unflatten(-1, (-1, group)).float() * scales[..., None]).flatten(-2)
+    return (qweight.unflatten(-1, (-1, group)).float() * scales[..., None].float()).flatten(-2)
 
 
 def packed_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None) -> torch.Tensor:
@@ -40,17 +51,17 @@ class PackedLinear(nn.Module):
     """x @ W.T (+ bias) for a weight W [N, K] kept packed. `format` names the type it came from (e.g. Q4_1)."""
 
     def __init__(self, out_features: int, in_features: int, format: str, four_bit: bool, group: int = 32,
-                 bias: torch.Tensor | None = None):
+                 bias: torch.Tensor | None = None, scale_dtype: torch.dtype = torch.float32):
         super().__init__()
         self.format = format
         self.out_features, self.in_features = out_features, in_features
         if four_bit:
             self.register_buffer("qweight", torch.empty(out_features, in_features // 2, dtype=torch.uint8))
-            self.register_buffer("scales", torch.empty(out_features, in_features // 32))
-            self.register_buffer("mins", torch.empty(out_features, in_features // 32))
+            self.register_buffer("scales", torch.empty(out_features, in_features // 32, dtype=scale_dtype))
+            self.register_buffer("mins", torch.empty(out_features, in_features // 32, dtype=scale_dtype))
         else:
             self.register_buffer("qweight", torch.empty(out_features, in_features, dtype=torch.int8))
-            self.register_buffer("scales", torch.empty(out_features, in_features // group))
+            self.register_buffer("scales", torch.empty(out_features, in_features // group, dtype=scale_dtype))
             self.mins = None
         self.bias = bias
 
