@@ -26,6 +26,17 @@ def test_kernel_equals_the_product_with_widened_weights(rows, out_features, in_f
     torch.testing.assert_close(out, x @ weight.float().t(), rtol=1e-5, atol=1e-5)
 
 
+def test_a_few_rows_take_the_kernel_not_a_widened_copy_of_the_weight():
+    """On this machine's ISA the kernel is compiled in: a draft-sized product calls no ATen GEMM (the fallback
+    widens the float16 weight and multiplies with aten::mm)."""
+    assert decode_attention.load()
+    x, weight = torch.randn(4, 576), torch.randn(1536, 576).half()
+    with torch.profiler.profile() as profiler:
+        torch.ops.compiled_spec_cpu.half_weight_linear(x, weight)
+    names = {event.key for event in profiler.key_averages()}
+    assert "compiled_spec_cpu::half_weight_linear" in names and not names & {"aten::mm", "aten::linear"}, names
+
+
 def test_kernel_names_bad_input():
     assert decode_attention.load()
     x, weight = torch.randn(1, 64), torch.randn(8, 64).half()

@@ -31,6 +31,27 @@ def test_the_cpu_kernels_compile_with_each_isas_flags(isa):
         assert result.returncode == 0, f"{source.name} with {isa.__name__}'s flags:\n{result.stderr[-3000:]}"
 
 
+# The macro each source defines when its vectorized kernel is compiled in (else it falls back to ATen).
+VECTOR_KERNELS = {"half_weight_linear.cpp": "HALF_WEIGHT_KERNEL", "packed_linear.cpp": "PACKED_KERNEL"}
+
+
+@pytest.mark.parametrize("isa", [cpu_vec_isa.VecAVX2, cpu_vec_isa.VecAVX512, cpu_vec_isa.VecAMX],
+                         ids=lambda isa: isa.__name__)
+def test_each_isas_flags_compile_the_vectorized_kernels_not_their_fallbacks(isa):
+    compiler = shutil.which("c++")
+    assert compiler, "a C++ compiler is needed to build the CPU kernels"
+    includes = [*cpp_extension.include_paths(), sysconfig.get_paths()["include"]]
+    for source in decode_attention.SOURCES:
+        if source.name not in VECTOR_KERNELS:
+            continue
+        command = [compiler, "-E", "-dM", "-std=c++20", *decode_attention.build_flags(isa()),
+                   *(f"-I{path}" for path in includes), str(source)]
+        result = subprocess.run(command, capture_output=True, text=True)
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert f"#define {VECTOR_KERNELS[source.name]} 1" in result.stdout, (
+            f"{source.name} with {isa.__name__}'s flags compiles only its ATen fallback")
+
+
 def test_the_extension_name_holds_no_spaces_whatever_the_isa():
     for isa in (cpu_vec_isa.VecAVX2(), cpu_vec_isa.VecAVX512(), cpu_vec_isa.VecAMX()):
         name = decode_attention._isa_name(isa)

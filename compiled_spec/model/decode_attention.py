@@ -50,8 +50,13 @@ def _isa_name(isa) -> str:
 
 
 def build_flags(isa) -> list[str]:
-    """The compiler flags for `isa` (an inductor VecISA): its architecture flags and CPU_CAPABILITY macro."""
-    return ["-O3", "-DNDEBUG", "-fopenmp", *isa.build_arch_flags().split(), *(f"-D{m}" for m in isa.build_macro())]
+    """The compiler flags for `isa` (an inductor VecISA): its architecture flags and CPU_CAPABILITY macro, and F16C
+    with AVX-512 (every AVX-512 CPU has it, but inductor's AVX-512 flags leave it out, and without it the float16
+    draft kernel is not compiled: the drafts' matrices were widened at every call)."""
+    arch = isa.build_arch_flags().split()
+    if "-mavx512f" in arch and "-mf16c" not in arch:
+        arch.append("-mf16c")
+    return ["-O3", "-DNDEBUG", "-fopenmp", *arch, *(f"-D{m}" for m in isa.build_macro())]
 
 
 def _failure_marker(name: str, flags: list[str]) -> Path:
