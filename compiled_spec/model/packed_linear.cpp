@@ -314,15 +314,43 @@ at::Tensor widen_8bit(const int8_t* values, const float* scales, int64_t n0, int
   return tile;
 }
 
+#ifdef PACKED_KERNEL
+// Rows [n0, n0 + rows) of the weight as float32 through the kernel's vector widening (the scalar loops above are the
+// fallback): format's scales and mins are float32 rows from 0.
+template <class Format>
+at::Tensor widen_rows(const Format& format, int64_t n0, int64_t rows, int64_t K) {
+  at::Tensor tile = at::empty({rows, K}, at::kFloat);
+  float* out = tile.data_ptr<float>();
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    constexpr int VECTORS = Format::SPAN / LANES;
+    const int64_t spans = K / Format::SPAN;
+    for (int64_t r = begin; r < end; ++r) {
+      float* row = out + r * K;
+      fvec w[VECTORS > BLOCK / LANES ? VECTORS : BLOCK / LANES];
+      for (int64_t s = 0; s < spans; ++s) {
+        format.widen(n0 + r, s, w);
+        for (int c = 0; c < VECTORS; ++c) vstore(row + s * Format::SPAN + c * LANES, w[c]);
+      }
+      if (spans * Format::SPAN < K) {
+        format.widen_last_block(n0 + r, w);
+        for (int c = 0; c < BLOCK / LANES; ++c) vstore(row + spans * Format::SPAN + c * LANES, w[c]);
+      }
+    }
+  });
+  return tile;
+}
+#endif
+
 template <class Widen>
 at::Tensor gemm_over_tiles(const at::Tensor& x, int64_t N, Widen widen) {
   const int64_t K = x.size(-1);
   at::Tensor out = output_for(x, N);
-  const at::Tensor rows = x.reshape({-1, K});
+  const at::Tensor rows = x.reshape({-1, K}).contiguous();
   at::Tensor out2d = out.view({-1, N});
   for (int64_t n0 = 0; n0 < N; n0 += DEQUANTIZED_TILE) {
     const int64_t count = std::min(DEQUANTIZED_TILE, N - n0);
-    out2d.narrow(1, n0, count).copy_(at::mm(rows, widen(n0, count).t()));
+    at::Tensor columns = out2d.narrow(1, n0, count);
+    at::mm_out(columns, rows, widen(n0, count).t());  // BLAS writes the strided columns in place
   }
   return out;
 }
@@ -351,7 +379,12 @@ at::Tensor packed_linear_4bit(const at::Tensor& x, const at::Tensor& nibbles, co
 #endif
   const at::Tensor s32 = s.to(at::kFloat), mn32 = mn.to(at::kFloat);
   const float *sp = s32.data_ptr<float>(), *mp = mn32.data_ptr<float>();
+#ifdef PACKED_KERNEL
+  const FourBit wide{qp, {sp, 0}, {mp, 0}, K};
+  return gemm_over_tiles(x, N, [&](int64_t n0, int64_t count) { return widen_rows(wide, n0, count, K); });
+#else
   return gemm_over_tiles(x, N, [&](int64_t n0, int64_t count) { return widen_4bit(qp, sp, mp, n0, count, K); });
+#endif
 }
 
 at::Tensor packed_linear_8bit(const at::Tensor& x, const at::Tensor& values, const at::Tensor& scales) {
@@ -383,7 +416,16 @@ at::Tensor packed_linear_8bit(const at::Tensor& x, const at::Tensor& values, con
 #endif
   const at::Tensor s32 = s.to(at::kFloat);
   const float* sp = s32.data_ptr<float>();
+#ifdef PACKED_KERNEL
+  if (group == 16) {
+    const EightBit<16> wide{qp, {sp, 0}, {}, K};
+    return gemm_over_tiles(x, N, [&](int64_t n0, int64_t count) { return widen_rows(wide, n0, count, K); });
+  }
+  const EightBit<32> wide{qp, {sp, 0}, {}, K};
+  return gemm_over_tiles(x, N, [&](int64_t n0, int64_t count) { return widen_rows(wide, n0, count, K); });
+#else
   return gemm_over_tiles(x, N, [&](int64_t n0, int64_t count) { return widen_8bit(qp, sp, n0, count, K, group); });
+#endif
 }
 
 }  // namespace
