@@ -49,7 +49,7 @@ def main() -> None:
     print(f"weights: packed {sum(m.nbytes for m in matrices) / 1e6:.1f} MB, "
           f"float32 {sum(4 * m.shape[0] * m.shape[1] for m in matrices) / 1e6:.1f} MB; {args.threads} threads")
     titles = {"packed": "packed", "float32": "float32 F.linear", "int8pack": "int8pack (bf16 x)"}
-    print("| rows | " + " | ".join(f"{titles[kind]} ms" for kind in kinds) + " |\n|---" * (len(kinds) + 1) + "|")
+    print("| rows | " + " | ".join(f"{titles[kind]} ms" for kind in kinds) + " |\n" + "|---" * (len(kinds) + 1) + "|")
     for rows in map(int, args.rows.split(",")):
         xs = [torch.randn(rows, m.shape[1]) for m in matrices]
         halves = [x.bfloat16() for x in xs]
