@@ -17,7 +17,17 @@ from torch.utils import cpp_extension
 from compiled_spec.model import decode_attention
 
 
-@pytest.mark.parametrize("isa", [cpu_vec_isa.VecAVX2, cpu_vec_isa.VecAVX512, cpu_vec_isa.VecAMX],
+class NoVectorISA:
+    """A CPU without AVX2 (another architecture): the sources compile their ATen fallbacks."""
+
+    def build_arch_flags(self) -> str:
+        return ""
+
+    def build_macro(self) -> list[str]:
+        return []
+
+
+@pytest.mark.parametrize("isa", [cpu_vec_isa.VecAVX2, cpu_vec_isa.VecAVX512, cpu_vec_isa.VecAMX, NoVectorISA],
                          ids=lambda isa: isa.__name__)
 def test_the_cpu_kernels_compile_with_each_isas_flags(isa):
     compiler = shutil.which("c++")

@@ -289,9 +289,8 @@ at::Tensor output_for(const at::Tensor& x, int64_t N) {
 }
 
 // Rows [n0, n0 + rows) of the weight as float32, for the GEMM path.
-at::Tensor widen_4bit(const uint8_t* nibbles, const float* scales, const float* mins, int64_t n0, int64_t rows, int64_t K) {
-  at::Tensor tile = at::empty({rows, K}, at::kFloat);
-  float* out = tile.data_ptr<float>();
+void widen_4bit(const uint8_t* nibbles, const float* scales, const float* mins, int64_t n0, int64_t rows, int64_t K,
+                float* out) {
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const int64_t n = n0 + r;
@@ -301,26 +300,21 @@ at::Tensor widen_4bit(const uint8_t* nibbles, const float* scales, const float* 
       }
     }
   });
-  return tile;
 }
 
-at::Tensor widen_8bit(const int8_t* values, const float* scales, int64_t n0, int64_t rows, int64_t K, int64_t group) {
-  at::Tensor tile = at::empty({rows, K}, at::kFloat);
-  float* out = tile.data_ptr<float>();
+void widen_8bit(const int8_t* values, const float* scales, int64_t n0, int64_t rows, int64_t K, int64_t group,
+                float* out) {
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r)
       for (int64_t k = 0; k < K; ++k) out[r * K + k] = scales[((n0 + r) * K + k) / group] * float(values[(n0 + r) * K + k]);
   });
-  return tile;
 }
 
 #ifdef PACKED_KERNEL
 // Rows [n0, n0 + rows) of the weight as float32 through the kernel's vector widening (the scalar loops above are the
 // fallback): format's scales and mins are float32 rows from 0.
 template <class Format>
-at::Tensor widen_rows(const Format& format, int64_t n0, int64_t rows, int64_t K) {
-  at::Tensor tile = at::empty({rows, K}, at::kFloat);
-  float* out = tile.data_ptr<float>();
+void widen_rows(const Format& format, int64_t n0, int64_t rows, int64_t K, float* out) {
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     constexpr int VECTORS = Format::SPAN / LANES;
     const int64_t spans = K / Format::SPAN;
@@ -337,7 +331,6 @@ at::Tensor widen_rows(const Format& format, int64_t n0, int64_t rows, int64_t K)
       }
     }
   });
-  return tile;
 }
 #endif
 
@@ -347,10 +340,13 @@ at::Tensor gemm_over_tiles(const at::Tensor& x, int64_t N, Widen widen) {
   at::Tensor out = output_for(x, N);
   const at::Tensor rows = x.reshape({-1, K}).contiguous();
   at::Tensor out2d = out.view({-1, N});
+  // One tile buffer per call: an allocation per tile cost a fresh mapping and its page faults each time.
+  at::Tensor tile = at::empty({std::min(DEQUANTIZED_TILE, N), K}, at::kFloat);
   for (int64_t n0 = 0; n0 < N; n0 += DEQUANTIZED_TILE) {
     const int64_t count = std::min(DEQUANTIZED_TILE, N - n0);
+    widen(n0, count, tile.data_ptr<float>());
     at::Tensor columns = out2d.narrow(1, n0, count);
-    at::mm_out(columns, rows, widen(n0, count).t());  // BLAS writes the strided columns in place
+    at::mm_out(columns, rows, tile.narrow(0, 0, count).t());  // BLAS writes the strided columns in place
   }
   return out;
 }
@@ -381,9 +377,9 @@ at::Tensor packed_linear_4bit(const at::Tensor& x, const at::Tensor& nibbles, co
   const float *sp = s32.data_ptr<float>(), *mp = mn32.data_ptr<float>();
 #ifdef PACKED_KERNEL
   const FourBit wide{qp, {sp, 0}, {mp, 0}, K};
-  return gemm_over_tiles(x, N, [&](int64_t n0, int64_t count) { return widen_rows(wide, n0, count, K); });
+  return gemm_over_tiles(x, N, [&](int64_t n0, int64_t count, float* tile) { widen_rows(wide, n0, count, K, tile); });
 #else
-  return gemm_over_tiles(x, N, [&](int64_t n0, int64_t count) { return widen_4bit(qp, sp, mp, n0, count, K); });
+  return gemm_over_tiles(x, N, [&](int64_t n0, int64_t count, float* tile) { widen_4bit(qp, sp, mp, n0, count, K, tile); });
 #endif
 }
 
@@ -419,12 +415,12 @@ at::Tensor packed_linear_8bit(const at::Tensor& x, const at::Tensor& values, con
 #ifdef PACKED_KERNEL
   if (group == 16) {
     const EightBit<16> wide{qp, {sp, 0}, {}, K};
-    return gemm_over_tiles(x, N, [&](int64_t n0, int64_t count) { return widen_rows(wide, n0, count, K); });
+    return gemm_over_tiles(x, N, [&](int64_t n0, int64_t count, float* tile) { widen_rows(wide, n0, count, K, tile); });
   }
   const EightBit<32> wide{qp, {sp, 0}, {}, K};
-  return gemm_over_tiles(x, N, [&](int64_t n0, int64_t count) { return widen_rows(wide, n0, count, K); });
+  return gemm_over_tiles(x, N, [&](int64_t n0, int64_t count, float* tile) { widen_rows(wide, n0, count, K, tile); });
 #else
-  return gemm_over_tiles(x, N, [&](int64_t n0, int64_t count) { return widen_8bit(qp, sp, n0, count, K, group); });
+  return gemm_over_tiles(x, N, [&](int64_t n0, int64_t count, float* tile) { widen_8bit(qp, sp, n0, count, K, group, tile); });
 #endif
 }
 
