@@ -104,6 +104,29 @@ def weight_options() -> list:
     ]
 
 
+def draft_module_options() -> list:
+    """--mtp and --draft-dtype, shared by generate, serve and bench."""
+    return [
+        click.option("--mtp", type=click.Path(file_okay=False), default=None, metavar="DIR",
+                     help="MTP modules stored apart from the model (safetensors in any supported MTP layout, as "
+                          "'compiled-spec train-mtp' writes them); they replace the model's own. A named model uses "
+                          "the modules shipped for it."),
+        click.option("--draft-dtype", "draft_dtype", type=click.Choice(("float16", "float32")), default=None,
+                     help="Store the MTP modules' matrices and the draft head in float16: each draft streams half "
+                          "the bytes, computed in float32 (output is unchanged; acceptance may move slightly). "
+                          "Default: float16 for smollm2-135m on CPU with its shipped modules, else float32."),
+    ]
+
+
+def options_of_engine_cells(options: list):
+    """Options for bench that every engine cell loads the model with (the anchors load it as they do)."""
+    def decorate(command):
+        for option in reversed(options):
+            command = option(command)
+        return command
+    return decorate
+
+
 def engine_options(command):
     """The options that choose the model and build the engine, shared by generate and serve (see make_llm)."""
     options = [
@@ -111,19 +134,13 @@ def engine_options(command):
                      help="A checkpoint directory (config.json + *.safetensors), a .gguf file, or a model name "
                           "(smollm2-135m; fetched on first use, see 'compiled-spec fetch'). Default: the embedded "
                           "Shakespeare model."),
-        click.option("--mtp", type=click.Path(file_okay=False), default=None, metavar="DIR",
-                     help="MTP modules stored apart from the model (safetensors in any supported MTP layout, as "
-                          "'compiled-spec train-mtp' writes them); they replace the model's own. A named model uses "
-                          "the modules shipped for it."),
+        *draft_module_options()[:1],
         click.option("--draft-vocab", "draft_vocab_size", type=int, default=None, metavar="N",
                      help="Draft over the N tokens the MTP modules' base model predicts most often (the target "
                           "still verifies over the whole vocabulary, so output is unchanged). Default: a named model's "
                           "own with its shipped modules (smollm2-135m: 8192), else the size the modules were "
                           "trained with; the vocabulary size drafts over all of it."),
-        click.option("--draft-dtype", "draft_dtype", type=click.Choice(("float16", "float32")), default=None,
-                     help="Store the MTP modules' matrices and the draft head in float16: each draft streams half "
-                          "the bytes, computed in float32 (output is unchanged; acceptance may move slightly). "
-                          "Default: float16 for smollm2-135m on CPU with its shipped modules, else float32."),
+        *draft_module_options()[1:],
         *weight_options(),
         click.option("-k", "--num-speculative-tokens", "num_speculative_tokens", type=DraftCount(), default=None,
                      help=f"Tokens drafted per step by the MTP module(s), 0..{MAX_SPECULATIVE_TOKENS}; "
@@ -510,13 +527,6 @@ def name_list(allowed: tuple[str, ...], none_ok: bool = False):
     return parse
 
 
-def weight_options_of_engine_cells(command):
-    """weight_options for bench: every engine cell loads the model so (the anchors load it as they do)."""
-    for option in reversed(weight_options()):
-        command = option(command)
-    return command
-
-
 # Mirror benchmarks.anchors.ANCHORS and DEFAULT_ANCHORS; a test keeps them equal.
 ANCHORS = ("hf-eager", "hf-static", "hf-mtp", "llama-cpp", "llama-cpp-f32")
 DEFAULT_ANCHORS = ("hf-eager", "hf-static", "hf-mtp")
@@ -572,10 +582,10 @@ DEFAULT_ANCHORS = ("hf-eager", "hf-static", "hf-mtp")
                    "'generate --draft-vocab'). Default: the engine's own.")
 @click.option("--hisparse", is_flag=True, help="Every engine cell decodes with HiSparse sparse attention.")
 @hisparse_options
-@weight_options_of_engine_cells
+@options_of_engine_cells(draft_module_options() + weight_options())
 def bench(model, graph_modes, ks, batch_sizes, anchors, out, max_tokens, prompts_file, max_seq_len, buckets,
           repeats, rounds, threads, cache_dir, cell_timeout, draft_vocab_sizes, hisparse, top_k_tokens, hot_rows,
-          cold_dtype, cold_pool, dequantize, quantize):
+          cold_dtype, cold_pool, mtp, draft_dtype, dequantize, quantize):
     """Measure tokens/s, step latency, acceptance per draft position, warm-up time and peak memory for
     every graph mode x k x batch size, beside transformers on the same model and prompts (greedy).
 
@@ -625,7 +635,7 @@ def bench(model, graph_modes, ks, batch_sizes, anchors, out, max_tokens, prompts
         buckets=buckets, repeats=repeats, rounds=rounds, threads=threads, cache_dir=Path(cache_dir) if cache_dir else None,
         cell_timeout_s=cell_timeout, command=spelled_out(click.get_current_context()),
         hisparse=dataclasses.asdict(sparse) if sparse else None, draft_vocab_sizes=draft_vocab_sizes,
-        dequantize=dequantize, quantize=quantize,
+        mtp=Path(mtp) if mtp else None, draft_dtype=draft_dtype, dequantize=dequantize, quantize=quantize,
     )
     try:
         results = run_sweep(options)

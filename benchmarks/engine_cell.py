@@ -94,6 +94,8 @@ def measure_engine(spec: dict) -> dict:
         show_progress=False,
         hisparse=HiSparseConfig(**spec["hisparse"]) if spec.get("hisparse") else None,
         draft_vocab_size=spec.get("draft_vocab_size"),
+        mtp=spec.get("mtp"),
+        draft_dtype=spec.get("draft_dtype"),
         dequantize=spec.get("dequantize", False),
         quantize=spec.get("quantize"),
     )

@@ -54,6 +54,8 @@ class SweepOptions:
     plots: bool = True
     hisparse: dict | None = None  # HiSparseConfig fields for every engine cell; None: dense attention
     draft_vocab_sizes: list = field(default_factory=lambda: [None])  # cells with k > 0, per size; None: engine default
+    mtp: Path | None = None  # engine cells draft with these MTP modules (LLM(mtp=...)); None: the model's own
+    draft_dtype: str | None = None  # engine cells' draft weight dtype (LLM(draft_dtype=...)); None: the default
     dequantize: bool = False  # engine cells widen a GGUF's quantized matrices (LLM(dequantize=True))
     quantize: str | None = None  # engine cells quantize a float checkpoint at load (LLM(quantize=...))
     command: list[str] = field(default_factory=list)
@@ -74,6 +76,7 @@ def plan(options: SweepOptions, prompt_ids: list[list[int]], max_seq_len: int) -
                     cells.append(dict(kind="engine", name=name, graph_mode=mode, num_speculative_tokens=k,
                                       batch_size=batch, max_seq_len=max_seq_len, buckets=options.buckets,
                                       hisparse=options.hisparse, draft_vocab_size=size,
+                                      mtp=str(options.mtp) if options.mtp else None, draft_dtype=options.draft_dtype,
                                       dequantize=options.dequantize, quantize=options.quantize, **common))
     return cells
 

@@ -159,6 +159,22 @@ def test_bench_records_packed_weights_at_their_packed_size(tiny_checkpoint, tmp_
     assert " --quantize q8_0" in json.loads((tmp_path / "results.json").read_text())["command"]
 
 
+def test_bench_drafts_with_the_mtp_modules_and_dtype_it_is_given(tiny_checkpoint, tmp_path):
+    """--mtp and --draft-dtype reach every engine cell (as a requantized copy of a named model needs its modules)."""
+    from test_draft_vocab import mtp_directory
+
+    checkpoint = tiny_checkpoint("predictive")
+    modules = mtp_directory(checkpoint.path, tmp_path / "modules", None)
+    args = ["bench", "--model", str(checkpoint.path), "--graph-modes", "eager", "-k", "1", "--anchors", "none",
+            "--max-tokens", "6", "--threads", "1", "--out", str(tmp_path / "out"), "--mtp", str(modules),
+            "--draft-dtype", "float16"]
+    result = CliRunner().invoke(cli.main, args, prog_name="compiled-spec")
+    assert result.exit_code == 0, result.output
+    (record,) = records(tmp_path / "out", kind="engine")
+    assert record["status"] == "ok" and record["draft_weight_dtype"] == "float16"
+    assert f" --mtp {modules} --draft-dtype float16" in json.loads((tmp_path / "out" / "results.json").read_text())["command"]
+
+
 def test_bench_rejects_a_hot_buffer_smaller_than_top_k(tmp_path):
     args = ["bench", "--hisparse", "--top-k-tokens", "16", "--hot-rows", "8", "--out", str(tmp_path)]
     result = CliRunner().invoke(cli.main, args, prog_name="compiled-spec")
