@@ -27,17 +27,23 @@ class NoVectorISA:
         return []
 
 
-@pytest.mark.parametrize("isa", [cpu_vec_isa.VecAVX2, cpu_vec_isa.VecAVX512, cpu_vec_isa.VecAMX, NoVectorISA],
-                         ids=lambda isa: isa.__name__)
-def test_the_cpu_kernels_compile_with_each_isas_flags(isa):
+def compile_with(isa, source, *mode: str) -> subprocess.CompletedProcess:
+    """The compiler run over one kernel source with `isa`'s build flags and the extension's includes; `mode`: what
+    it makes (-fsyntax-only, or -E -dM for the macros defined)."""
     compiler = shutil.which("c++")
     assert compiler, "a C++ compiler is needed to build the CPU kernels"
     includes = [*cpp_extension.include_paths(), sysconfig.get_paths()["include"]]
+    command = [compiler, *mode, "-std=c++20", "-fPIC", *decode_attention.build_flags(isa()),
+               *(f"-I{path}" for path in includes), "-DTORCH_EXTENSION_NAME=isa_check",
+               "-DTORCH_API_INCLUDE_EXTENSION_H", str(source)]
+    return subprocess.run(command, capture_output=True, text=True)
+
+
+@pytest.mark.parametrize("isa", [cpu_vec_isa.VecAVX2, cpu_vec_isa.VecAVX512, cpu_vec_isa.VecAMX, NoVectorISA],
+                         ids=lambda isa: isa.__name__)
+def test_the_cpu_kernels_compile_with_each_isas_flags(isa):
     for source in decode_attention.SOURCES:
-        command = [compiler, "-fsyntax-only", "-std=c++20", "-fPIC", *decode_attention.build_flags(isa()),
-                   *(f"-I{path}" for path in includes), "-DTORCH_EXTENSION_NAME=isa_check",
-                   "-DTORCH_API_INCLUDE_EXTENSION_H", str(source)]
-        result = subprocess.run(command, capture_output=True, text=True)
+        result = compile_with(isa, source, "-fsyntax-only")
         assert result.returncode == 0, f"{source.name} with {isa.__name__}'s flags:\n{result.stderr[-3000:]}"
 
 
@@ -48,15 +54,10 @@ VECTOR_KERNELS = {"half_weight_linear.cpp": "HALF_WEIGHT_KERNEL", "packed_linear
 @pytest.mark.parametrize("isa", [cpu_vec_isa.VecAVX2, cpu_vec_isa.VecAVX512, cpu_vec_isa.VecAMX],
                          ids=lambda isa: isa.__name__)
 def test_each_isas_flags_compile_the_vectorized_kernels_not_their_fallbacks(isa):
-    compiler = shutil.which("c++")
-    assert compiler, "a C++ compiler is needed to build the CPU kernels"
-    includes = [*cpp_extension.include_paths(), sysconfig.get_paths()["include"]]
     for source in decode_attention.SOURCES:
         if source.name not in VECTOR_KERNELS:
             continue
-        command = [compiler, "-E", "-dM", "-std=c++20", *decode_attention.build_flags(isa()),
-                   *(f"-I{path}" for path in includes), str(source)]
-        result = subprocess.run(command, capture_output=True, text=True)
+        result = compile_with(isa, source, "-E", "-dM")
         assert result.returncode == 0, result.stderr[-3000:]
         assert f"#define {VECTOR_KERNELS[source.name]} 1" in result.stdout, (
             f"{source.name} with {isa.__name__}'s flags compiles only its ATen fallback")
