@@ -184,10 +184,22 @@ def test_a_second_full_engine_on_cpu_loads_every_bucket_instead_of_compiling(wor
     assert again_compiled == [] and sorted(again_loaded) == sorted(compiled + loaded)
     with torch.compiler.set_stance("fail_on_recompile"):
         assert run_workload(llm, prompts) == compiled_result["result"]
-    # One copy of the frozen weights: the second engine's packages point at the very tensors the first's do.
-    first, second = compiled_result["llm"].engine.runner.bound_constants(), llm.engine.runner.bound_constants()
+    # No second copy of the frozen weights: a constant that is one of the engine's weights is bound to that weight's
+    # own memory; the constants the compile made (pre-packed GEMM weights) are one tensor for both.
+    first_llm = compiled_result["llm"]
+    first, second = first_llm.engine.runner.bound_constants(), llm.engine.runner.bound_constants()
     assert first and first.keys() == second.keys()
-    assert all(first[key] is second[key] for key in first)
+    def weights(engine):  # the model's weights and the step's constant tensors (rope tables, EOS ids)
+        tensors = [*engine.model.state_dict().values(), *engine.constants._asdict().values()]
+        return {shared_constants.digest(t): t for t in tensors if isinstance(t, torch.Tensor)}
+
+    own = [(engine_llm, bound, weights(engine_llm.engine)) for engine_llm, bound in ((first_llm, first), (llm, second))]
+    for engine_llm, bound, weights in own:
+        assert bound.keys() & weights.keys(), "no constant is one of the model's weights"
+        for key in bound.keys() & weights.keys():
+            assert bound[key].data_ptr() == weights[key].data_ptr(), key
+    made = first.keys() - own[0][2].keys()
+    assert made and all(first[key] is second[key] for key in made)
 
 
 @pytest.mark.parametrize("compiled_result", ["full"], indirect=True)

@@ -24,6 +24,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import weakref
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -167,7 +168,7 @@ class AheadOfTimeCompiled:
             self.compiled.append(path.name)
         package = torch._inductor.aoti_load_package(str(path))
         manifest = shared_constants.read_manifest(path)
-        tensors = shared_constants.load(self.folder, manifest)
+        tensors = shared_constants.load(self.folder, manifest, in_memory=_weights_by_digest.get(model, {}))
         # By the names the compiled code uses (load_constants takes original names, and those repeat).
         package.loader.update_constant_buffer(tensors, False, True, True)  # active buffer, all of them, by pointer
         self.bound_constants.update({manifest[name]: tensor for name, tensor in tensors.items()})
@@ -248,13 +249,24 @@ def package_key(function, passes_uuid: str, options: dict, model_key: str, state
     return digest.hexdigest()
 
 
+# model -> {digest: tensor} of its weights and step constants, recorded by model_digest: a package's constant with
+# the same digest is bound to the model's own tensor instead of a second copy read from the disk.
+_weights_by_digest: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 def model_digest(model, constants) -> str:
     """The model's class, config and every weight's bytes, and the step constants: what freezing bakes in."""
     digest = hashlib.sha256(repr((type(model).__qualname__, getattr(model, "config", None))).encode())
+    weights = {}
     for name, value in list(model.state_dict().items()) + list(constants._asdict().items()):
         digest.update(repr(name).encode() + b"\0")
-        digest.update((shared_constants.digest(value) if isinstance(value, torch.Tensor) else repr(value)).encode())
+        if isinstance(value, torch.Tensor):
+            weights[key := shared_constants.digest(value)] = value.detach()
+            digest.update(key.encode())
+        else:
+            digest.update(repr(value).encode())
         digest.update(b"\0")
+    _weights_by_digest[model] = weights
     return digest.hexdigest()
 
 

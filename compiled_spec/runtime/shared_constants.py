@@ -79,14 +79,18 @@ def store(folder: Path, constants: dict[str, torch.Tensor]) -> dict[str, str]:
     return manifest
 
 
-def load(folder: Path, manifest: dict[str, str]) -> dict[str, torch.Tensor]:
-    """{constant name: tensor} for a manifest, each digest read from disk once per process, into memory on huge
-    pages (huge_pages.py)."""
+def load(folder: Path, manifest: dict[str, str], in_memory: dict[str, torch.Tensor] | None = None,
+         ) -> dict[str, torch.Tensor]:
+    """{constant name: tensor} for a manifest: the tensor in `in_memory` with the same digest (the model's own
+    weight: one copy in memory, not two), else read from disk once per process into memory on huge pages
+    (huge_pages.py)."""
     held, read = {}, {}  # strong references: _loaded is weak
     for name, key in manifest.items():
         if key in held or key in read:
             continue
-        tensor = _loaded.get(key)
+        tensor = (in_memory or {}).get(key)
+        if tensor is None:
+            tensor = _loaded.get(key)
         if tensor is not None:
             held[key] = tensor
             continue
