@@ -12,11 +12,11 @@ from compiled_spec.model.half_weight_linear import HalfWeightLinear
 ENGINE = dict(graph_mode="eager", max_seq_len=64, max_batch_size=4, show_progress=False)
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 100])
 @pytest.mark.parametrize("out_features, in_features", [(192, 576), (1003, 64), (37, 100)])
 def test_kernel_equals_the_product_with_widened_weights(rows, out_features, in_features):
-    """Whole blocks of 4 weight rows and a tail, one and two input rows at a time, more rows than the kernel takes
-    and features that are not whole vectors (both through ATen)."""
+    """Whole blocks of 4 weight rows and a tail, one to four input rows at a time, features that are not whole
+    vectors (through ATen), and more rows than the kernel takes (tiles of widened weight rows, the last partial)."""
     assert decode_attention.load(), "the kernels must build on a machine with a C++ compiler"
     generator = torch.Generator().manual_seed(rows * 1000 + out_features + in_features)
     x = torch.randn(rows, 1, in_features, generator=generator)

@@ -14,6 +14,7 @@ namespace {
 // A decode step's draft depth d runs over k + d rows per sequence (6 at k=3), times the batch. More rows than this (a
 // prefill's drafts) widen the weights and take ATen's GEMM: there the FMAs bound, not the bytes.
 constexpr int64_t KERNEL_MAX_ROWS = 64;
+constexpr int64_t WIDENED_TILE = 256;  // weight rows widened at a time for more rows than that
 
 #ifdef HALF_WEIGHT_KERNEL
 constexpr int64_t BLOCK = 4;  // weight rows per task: four independent accumulator chains per input row
@@ -127,7 +128,22 @@ at::Tensor half_weight_linear(const at::Tensor& x, const at::Tensor& weight) {
     return out;
   }
 #endif
-  return at::linear(x, weight.to(at::kFloat));
+  // More rows (a prefill's drafts): the weight widened a tile of rows at a time into one buffer, each tile's columns
+  // of the output written in place by ATen's GEMM. No float32 copy of the whole matrix is made or kept.
+  const at::Tensor rows = x.reshape({-1, K}).contiguous();
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = N;
+  at::Tensor out = at::empty(shape, x.options());
+  at::Tensor out2d = out.view({-1, N});
+  at::Tensor tile = at::empty({std::min(WIDENED_TILE, N), K}, x.options());
+  for (int64_t n0 = 0; n0 < N; n0 += WIDENED_TILE) {
+    const int64_t count = std::min(WIDENED_TILE, N - n0);
+    at::Tensor widened = tile.narrow(0, 0, count);
+    widened.copy_(weight.narrow(0, n0, count));
+    at::Tensor columns = out2d.narrow(1, n0, count);
+    at::mm_out(columns, rows, widened.t());
+  }
+  return out;
 }
 
 }  // namespace

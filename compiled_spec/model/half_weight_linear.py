@@ -17,21 +17,14 @@ from . import decode_attention
 from .layers import MLP, Attention
 
 
-# The most rows the kernel takes (as half_weight_linear.cpp): a decode step's draft depth d runs over k + d rows per
-# sequence, times the batch.
-KERNEL_MAX_ROWS = 64
-
-
 def half_weight_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] @ weight [N, K].T (+ bias), weight float16.
 
-    A pass whose row count is not a fixed number up to KERNEL_MAX_ROWS (a prefill: its width is dynamic) widens the
-    weight in the graph. Under freezing that widened weight is a constant the package keeps, and the pass multiplies
-    with the GEMM template as over float32 weights: the kernel, and ATen over weights widened at every call, made
-    compiled prefills 8-19% slower."""
-    rows = x.numel() // x.shape[-1]
+    Compiled fp32 CPU passes call the kernel for any row count: up to 64 rows it widens each weight vector as it
+    multiplies; more (a prefill's drafts) widen a tile of weight rows at a time for ATen's GEMM, so no package keeps
+    a float32 copy of the drafts as a constant (docs/cpu-performance.md)."""
     if (torch.compiler.is_compiling() and x.device.type == "cpu" and x.dtype == torch.float32
-            and isinstance(rows, int) and rows <= KERNEL_MAX_ROWS and decode_attention.loaded()):
+            and decode_attention.loaded()):
         out = torch.ops.compiled_spec_cpu.half_weight_linear(x, weight)
         return out if bias is None else out + bias
     return F.linear(x, weight.to(x.dtype), bias)
