@@ -146,13 +146,13 @@ def measure_engine(spec: dict) -> dict:
         "auto_step_seconds": {str(key): seconds for (_, key), seconds in sorted(engine.chooser.seconds.items())}
         if engine.chooser else None,
         "auto_acceptance_estimate": list(engine.chooser.acceptance) if engine.chooser else None,
-        "warmup_s": engine.warmup_seconds,
+        "warmup_s": engine.startup.warmup_seconds,
         "setup_s": setup_s,
         "graphs_compiled_while_timed": graphs_made(engine.runner) - graphs_before,
         # full on CPU: bucket packages compiled at warm-up, and those a warm start loaded instead.
-        "packages_compiled": len(packages_compiled) + len(engine.compiled_in_processes),
-        "packages_loaded": len(packages_loaded) - len(engine.compiled_in_processes),
-        "compile_processes": engine.compile_processes,
+        "packages_compiled": len(packages_compiled) + len(engine.startup.compiled_in_processes),
+        "packages_loaded": len(packages_loaded) - len(engine.startup.compiled_in_processes),
+        "compile_processes": engine.startup.compile_processes,
         "package_bytes": engine.runner.package_bytes(),
         "constants_bytes": engine.runner.constants_bytes(),  # the frozen weights the packages share, once
         "weight_bytes": resident_weight_bytes(llm.model),

@@ -7,7 +7,7 @@ from typing import Callable
 
 from .model import decode_attention
 from .params import RequestOutput, SpecStats
-from .text_stream import TextStream
+from .detokenizer import TextStream
 
 Prompt = str | list[int]
 

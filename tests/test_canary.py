@@ -110,7 +110,7 @@ def check_fell_back(llm: LLM, every: int, first_faulty_step: int, mode: GraphMod
     divergences = llm.engine.canary.divergences
     assert len(divergences) == 1  # then the engine runs the safer mode, which the canary checks too
     assert first_faulty_step <= divergences[0].step < first_faulty_step + every
-    assert llm.engine.fallbacks == [mode] and llm.engine.runner.mode == mode
+    assert llm.engine.startup.fallbacks == [mode] and llm.engine.runner.mode == mode
     lines = [r.getMessage() for r in caplog.records if "graph divergence" in r.getMessage()]
     assert lines == [f"compiled-spec: {divergences[0]}; falling back from {lines[0].split('from ')[1].split(' ')[0]} "
                      f"to {mode.value}"]

@@ -63,8 +63,8 @@ def compiled_result(request, workload):
         compiled, loaded = llm.engine.runner.packages()
         missing = sorted(set(compiled + loaded) - packages_before)
         if len(missing) >= 2:
-            assert compiled == [] and sorted(llm.engine.compiled_in_processes) == missing
-            assert llm.engine.compile_processes == 2
+            assert compiled == [] and sorted(llm.engine.startup.compiled_in_processes) == missing
+            assert llm.engine.startup.compile_processes == 2
         else:
             assert sorted(compiled) == missing
     with torch.compiler.set_stance("fail_on_recompile"):

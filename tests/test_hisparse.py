@@ -366,7 +366,7 @@ def test_without_the_draft_mirror_acceptance_collapses_in_full_mode_but_output_s
     # Only the fusion pass: the state-mutation pass would reject this step (next test).
     llm = faulty_engine(path, GraphMode.FULL, passes=[HiSparseFusionPass(SATURATED)])
     prefilling_in_eager(llm.engine.runner)  # the step is what reads the stale rows
-    llm.engine.warm_up(show_progress=False)
+    llm.engine.startup.warm_up(show_progress=False)
     tokens, _, acceptance = run(llm, prompts)
     # The target verifies every draft, so the text is right; the drafts read stale KV swapped in from the cold pool.
     assert tokens == eager_tokens
@@ -377,7 +377,7 @@ def test_without_the_draft_mirror_acceptance_collapses_in_full_mode_but_output_s
 def test_the_state_mutation_pass_rejects_a_step_without_the_draft_mirror(tiny_checkpoint):
     llm = faulty_engine(tiny_checkpoint("predictive").path, GraphMode.COMPILE, passes=None)
     with pytest.raises(Exception) as info:
-        llm.engine.warm_up(show_progress=False)
+        llm.engine.startup.warm_up(show_progress=False)
     assert "decode state updated outside the graph: draft_keys[0], draft_keys[1], draft_values[0]" in audit_failure(info.value)
 
 

@@ -122,7 +122,7 @@ def test_full_on_cpu_keeps_a_static_step_package_per_batch_bucket_below_a_larges
     def steps(buckets):
         llm = LLM(path, graph_mode="full", max_batch_size=buckets[-1], batch_buckets=buckets, max_seq_len=32,
                   warm_up=False, show_progress=False)
-        graphs = [graph for graph in llm.engine.warm_up_graphs() if graph[0] == "step"]
+        graphs = [graph for graph in llm.engine.startup.warm_up_graphs() if graph[0] == "step"]
         return llm.engine.runner.step_batches, graphs
 
     assert steps((1, 2)) == (None, [("step", 2, None), ("step", 1, None)])
@@ -151,7 +151,7 @@ import json, sys, warnings
 from compiled_spec import LLM
 from compiled_spec.model import decode_attention
 llm = LLM(sys.argv[1], graph_mode="full", max_batch_size=1, max_seq_len=32, warm_up=False, show_progress=False)
-graph = next(graph for graph in llm.engine.warm_up_graphs() if graph[0] == "step")
+graph = next(graph for graph in llm.engine.startup.warm_up_graphs() if graph[0] == "step")
 before = llm.engine.runner.package_path(*graph)
 with warnings.catch_warnings(record=True):
     built = decode_attention.load()

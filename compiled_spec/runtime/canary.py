@@ -137,5 +137,5 @@ class GraphCanary:
         logger.warning("compiled-spec: %s; falling back from %s to %s", divergence, engine.runner.mode.value,
                        SAFER_MODE.get(engine.runner.mode, GraphMode.EAGER).value)
         self.divergences.append(divergence)
-        engine.fall_back()
+        engine.startup.fall_back()
         return divergence
