@@ -288,7 +288,7 @@ def generate(prompts, prompt_ids, model, mtp, draft_vocab_size, draft_dtype, deq
     elapsed = time.perf_counter() - start
 
     summary = cli_format.Summary(llm.num_speculative_tokens, llm.engine.startup.graph_mode_run(), outputs, elapsed,
-                                 draft_slots=llm.draft_slots, weight_format=llm.weight_format)
+                                 max_drafts=llm.draft_slots, weight_format=llm.weight_format)
     for index, (prompt, output) in enumerate(zip(all_prompts, outputs)):
         if as_json:
             click.echo(cli_format.to_json(cli_format.request_record(index, prompt, output)))

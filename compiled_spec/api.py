@@ -146,7 +146,7 @@ class LLM:
 
     @property
     def draft_slots(self) -> int:
-        """The most drafts one step verifies: k, or max_speculative_tokens with auto."""
+        """K, the most drafts one step verifies: k, or max_speculative_tokens with auto (the engine's max_drafts)."""
         return self.engine.max_drafts
 
     def _calibration_prompt(self) -> list[int] | None:

@@ -126,7 +126,8 @@ def test_uuid_covers_the_pass_configuration():
 def faulty_engine(path, mode: GraphMode, passes):
     llm = LLM(path, graph_mode=mode, warm_up=False, **ENGINE)
     engine = llm.engine
-    engine.runner = PositionsInPythonRunner(llm.model, engine.state, engine.constants, mode, passes=passes)
+    engine.runner = PositionsInPythonRunner(llm.model, engine.state, engine.constants, mode,
+                                            engine.runner.draft_lengths, passes=passes)
     return llm
 
 

@@ -58,12 +58,11 @@ def layer_tiers(state, index: int) -> LayerTiers:
     return LayerTiers(*(getattr(state, name)[index] for name in TIER_FIELDS))
 
 
-def tier_field_names(state, num_drafts: int | None = None) -> list[str]:
-    """State fields HiSparse writes in a pass that runs num_drafts draft depths (default: all; for the
-    state-mutation pass)."""
+def tier_field_names(state, depths: int) -> list[str]:
+    """State fields HiSparse writes in a pass that runs `depths` draft depths (for the state-mutation pass)."""
     count = len(state.hot_keys)
-    if num_drafts is not None and count:
-        count = len(state.main_keys) + num_drafts
+    if count:
+        count = len(state.main_keys) + depths
     return [f"{name}[{i}]" for name in TIER_FIELDS for i in range(count)]
 
 

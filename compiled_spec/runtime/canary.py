@@ -114,19 +114,16 @@ class GraphCanary:
         self.next_check = step + interval
 
     @torch.inference_mode()
-    def checked_step(self, engine, batch_size: int, num_drafts: int | None, step: int) -> Divergence | None:
+    def checked_step(self, engine, batch_size: int, k: int, step: int) -> Divergence | None:
         """Runs the engine's step and the eager step on a copy of its state; on a mismatch leaves the eager result
         in the state, logs it and makes the engine fall back. Returns the mismatch, or None."""
         self.checked_steps.append(step)
         begin = time.perf_counter()
         reference = copy_state(engine.state)
         constants = engine.constants._replace(opaque_attention=False)  # eager mode's own step
-        speculative_step(engine.model, reference, constants, batch_size, num_drafts)
+        speculative_step(engine.model, reference, constants, batch_size, k)
         extra = time.perf_counter() - begin
-        if num_drafts is None:
-            engine.runner.step(batch_size)
-        else:
-            engine.runner.step(batch_size, num_drafts)
+        engine.runner.step(batch_size, k)
         begin = time.perf_counter()
         divergence = first_difference(engine.state, reference, step)
         self.extra_seconds = extra + time.perf_counter() - begin

@@ -15,7 +15,7 @@ from .buckets import checked_buckets, compiled_prefill_limit, default_batch_buck
 
 def allocate_state(model: CausalLM, config: EngineConfig) -> DecodeState:
     device, dtype, hisparse = torch.device(config.device), config.torch_dtype(), config.hisparse
-    max_drafts = config.draft_slots
+    max_drafts = config.max_drafts
     return DecodeState.allocate(
         model.config, config.max_batch_size, config.max_seq_len, max_drafts, dtype, device,
         **(dict(hot_rows=hisparse.hot_rows, index_dims=index_key_dims(model, max_drafts),

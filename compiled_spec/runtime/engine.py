@@ -36,7 +36,7 @@ class Engine:
         self.model = model
         self.config = config
         self.tokenizer = tokenizer
-        self.max_drafts = config.draft_slots  # K: draft slots in the state; a step drafts k <= K of them
+        self.max_drafts = config.max_drafts  # K: draft slots in the state; a step drafts k <= K of them
         self.chooser = DraftLengthChooser(self.max_drafts) if config.auto else None
         self.state = allocate_state(model, config)
         self.constants = step_constants(model, config, self.state, eos_ids)
@@ -44,7 +44,7 @@ class Engine:
         self.batch_buckets = batch_buckets(config)
         self.prefill_buckets = prefill_buckets(config)
         self.runner = StepRunner(model, self.state, self.constants, config.graph_mode,
-                                 draft_lengths=tuple(range(self.max_drafts)) if config.auto else (),
+                                 draft_lengths=tuple(self.draft_lengths()),
                                  prefill_width=self.prefill_buckets[-1], batch_size=self.batch_buckets[-1])
         self.startup = GraphStartup(self, start or StartOptions())
         self.waiting: deque[Request] = deque()
@@ -56,9 +56,9 @@ class Engine:
         self.eager_prefills = 0  # prompts longer than every prefill bucket, prefilled in eager at their own length
         self.canary = GraphCanary(config.verify_graphs_every) if config.verify_graphs_every else None
 
-    def draft_lengths(self) -> list[int | None]:
-        """The k values steps run with: every 0..K with auto, else None (the fixed k)."""
-        return list(range(self.max_drafts + 1)) if self.chooser else [None]
+    def draft_lengths(self) -> list[int]:
+        """The k values steps run with: every 0..K with auto, else K."""
+        return list(range(self.max_drafts + 1)) if self.config.auto else [self.max_drafts]
 
     def run(self, requests: list[Request], on_tokens: TokenCallback | None = None) -> None:
         """Decodes a known list of requests to the end, recording every step in step_log and step_seconds."""
@@ -128,11 +128,10 @@ class Engine:
         drafts = self._prefill_drafts()
         prefill(torch.tensor([slot], device=device), prompt, torch.tensor([length], device=device), drafts)
         self.eager_prefills += not bucketed
-        request.valid_drafts = drafts
         if params.stop and self.tokenizer is not None:
             request.detokenizer = IncrementalDetokenizer(self.tokenizer, params.stop)
         self.slots.append(request)
-        finished, _ = self._collect(slot + 1, on_tokens, first_slot=slot, record_stats=False)
+        finished, _, _ = self._collect(slot + 1, on_tokens, first_slot=slot, record_stats=False)
         return finished
 
     def _prefill_drafts(self) -> int:
@@ -148,17 +147,14 @@ class Engine:
         batch = self.runner.batch_for(bucket, len(self.slots))
         k = self.chooser.choose(bucket) if self.chooser else self.max_drafts
         self.last_num_drafts = k
-        verified = [min(k, request.valid_drafts) for request in self.slots]
         divergence = None
         checked = bool(self.canary and self.runner.mode != GraphMode.EAGER and self.canary.due(self.steps_run + 1))
         if checked:
-            divergence = self.canary.checked_step(self, batch, k if self.chooser else None, self.steps_run + 1)
-        elif self.chooser:
-            self.runner.step(batch, k)
+            divergence = self.canary.checked_step(self, batch, k, self.steps_run + 1)
         else:
-            self.runner.step(batch)
-        finished, lanes = self._collect(len(self.slots), on_tokens, first_slot=0, record_stats=True,
-                                        num_drafts=k, verified=verified)
+            self.runner.step(batch, k)
+        finished, lanes, verified = self._collect(len(self.slots), on_tokens, first_slot=0, record_stats=True,
+                                                  num_drafts=k)
         seconds = time.perf_counter() - start
         self.steps_run += 1
         if self.canary:
@@ -184,28 +180,27 @@ class Engine:
                 return request
         return None
 
-    def _collect(self, end: int, on_tokens, first_slot: int, record_stats: bool, num_drafts: int = 0,
-                 verified: list[int] | None = None):
+    def _collect(self, end: int, on_tokens, first_slot: int, record_stats: bool, num_drafts: int = 0):
         """Reads what slots first_slot..end-1 emitted (one device-to-host copy) and frees finished slots.
 
-        num_drafts: the k of the step; verified: per lane, the drafts it verified. Returns the finished requests
-        and, per lane, (request index, accepted drafts).
+        num_drafts: the k of the step. Returns the finished requests, per lane (request index, accepted drafts),
+        and per lane the drafts it verified.
         """
         s = self.state
         packed = torch.cat(
-            [s.step_tokens[first_slot:end], s.step_emitted[first_slot:end, None],
-             s.step_accepted[first_slot:end, None], s.done[first_slot:end, None].long()], dim=1
+            [s.step_tokens[first_slot:end], s.step_emitted[first_slot:end, None], s.step_accepted[first_slot:end, None],
+             s.step_verified[first_slot:end, None], s.done[first_slot:end, None].long()], dim=1
         ).tolist()
-        finished, finished_slots, lanes = [], [], []
+        finished, finished_slots, lanes, verified_counts = [], [], [], []
         for offset, row in enumerate(packed):
             slot = first_slot + offset
             request = self.slots[slot]
-            tokens, count, accepted, done = row[: self.max_drafts + 1], row[-3], row[-2], bool(row[-1])
+            tokens, count, accepted, verified, done = row[: self.max_drafts + 1], *row[-4:-1], bool(row[-1])
             if record_stats:
                 lanes.append((request.index, accepted))
+                verified_counts.append(verified)
                 if self.max_drafts > 0:
-                    request.output.stats.record(accepted, verified[offset], num_drafts)
-                request.valid_drafts = num_drafts
+                    request.output.stats.record(accepted, verified, num_drafts)
             kept = len(request.output.token_ids)
             stopped = self._append(request, tokens[:count])
             new_tokens = request.output.token_ids[kept:]  # a stop string drops the tokens after it
@@ -217,7 +212,7 @@ class Engine:
                 finished_slots.append(slot)
         for slot in reversed(finished_slots):
             self._free(slot)
-        return finished, lanes
+        return finished, lanes, verified_counts
 
     def _append(self, request: Request, new_tokens: list[int]) -> bool:
         """Adds tokens; returns True when a stop string appeared (tokens after it are dropped)."""

@@ -21,7 +21,6 @@ class Request:
     params: SamplingParams
     seed: int
     output: RequestOutput
-    valid_drafts: int = 0  # drafts its slot holds for the next step (mirrors DecodeState.draft_counts)
     detokenizer: IncrementalDetokenizer | None = None  # with stop strings: the text so far, to find them in
 
 

@@ -52,10 +52,10 @@ class GraphStartup:
         self._full_runner: StepRunner | None = None
         self._next_poll, self._show_progress, self._threads = 0.0, False, 1
 
-    def warm_up_graphs(self, runner: StepRunner | None = None) -> list[tuple[str, int, int | None]]:
+    def warm_up_graphs(self, runner: StepRunner | None = None) -> list[tuple[str, int, int]]:
         """(kind, size, k) of every graph warm-up makes for `runner` (default: the engine's): each batch bucket and,
         if the runner compiles prefill, each prefill bucket (or, full on CPU, one prefill package for every width up
-        to the largest), for every k with auto (else k None: every draft slot).
+        to the largest), for every k the engine steps with (0..K with auto, else K).
 
         Full on CPU: the one step package for every batch (the longest compile, so it goes first), then the one
         prefill package; compile processes take them in this order."""
@@ -114,7 +114,7 @@ class GraphStartup:
         runner = self.engine.runner
         bar = tqdm(self.warm_up_graphs(), desc="compiling buckets", unit="graph", disable=not show_progress)
         for kind, size, k in bar:
-            drafts = "" if k is None else f" k={k}"
+            drafts = f" k={k}" if self.engine.chooser else ""
             covered = runner.step_batches if kind == "step" else runner.prefill_widths
             sizes = f"{covered[0]}-{size}" if covered and size == covered[1] else str(size)  # one package, a range
             bar.set_postfix_str(f"{kind} {'batch' if kind == 'step' else 'prompt'}={sizes}{drafts}")
@@ -141,13 +141,13 @@ class GraphStartup:
                         workers, children.failure(), children.log)
             children.stop()
 
-    def compile_graph(self, kind: str, size: int, num_drafts: int | None) -> None:
+    def compile_graph(self, kind: str, size: int, k: int) -> None:
         """Makes one graph of warm_up_graphs() by calling it once over free slots (every slot is free and marked
         done, so nothing live is touched)."""
         engine = self.engine
         if engine.slots:
             raise RuntimeError("compile_graph() needs every slot free")
-        function, args = engine.runner.warm_up_call(kind, size, num_drafts)
+        function, args = engine.runner.warm_up_call(kind, size, k)
         with torch.inference_mode():
             function(*engine.runner.bound, *args)
         engine.state.done[0] = True  # a prefill over slot 0 marked it live

@@ -42,6 +42,7 @@ class DecodeState:
     step_tokens: torch.Tensor  # [slots, K+1] int64
     step_emitted: torch.Tensor  # [slots] int64
     step_accepted: torch.Tensor  # [slots] int64
+    step_verified: torch.Tensor  # [slots] int64: drafts the last step verified (its k, or fewer the slot held)
     # KV caches [slots, capacity, kv_heads, head_dim]: one per main layer, one per draft depth.
     main_keys: list[torch.Tensor]
     main_values: list[torch.Tensor]
@@ -100,7 +101,7 @@ class DecodeState:
         config: ModelConfig,
         num_slots: int,
         max_seq_len: int,
-        num_speculative_tokens: int,
+        max_drafts: int,
         dtype: torch.dtype,
         device: str | torch.device,
         hot_rows: int | None = None,
@@ -108,10 +109,10 @@ class DecodeState:
         cold_dtype: torch.dtype | None = None,
         pinned_cold_pool: bool = False,
     ) -> "DecodeState":
-        """num_speculative_tokens: K, the draft slots (a step may draft fewer). hot_rows and index_dims (one per main layer, then per draft depth) turn on the HiSparse tiers; the
-        KV caches are then their cold pool, in cold_dtype (default: dtype), and with pinned_cold_pool (CUDA) in
-        pinned host memory."""
-        k = num_speculative_tokens
+        """max_drafts: K, the draft slots (a step may draft fewer). hot_rows and index_dims (one per main layer, then
+        per draft depth) turn on the HiSparse tiers; the KV caches are then their cold pool, in cold_dtype (default:
+        dtype), and with pinned_cold_pool (CUDA) in pinned host memory."""
+        k = max_drafts
         # Rows up to position max_seq_len - 1 + k are written by a step; one more is the trash position.
         capacity = max_seq_len + k + 1
         cache_shape = (num_slots, capacity, config.num_key_value_heads, config.head_dim)
@@ -143,6 +144,7 @@ class DecodeState:
             step_tokens=zeros(num_slots, k + 1),
             step_emitted=zeros(num_slots),
             step_accepted=zeros(num_slots),
+            step_verified=zeros(num_slots),
             main_keys=caches(config.num_hidden_layers),
             main_values=caches(config.num_hidden_layers),
             draft_keys=caches(k),

@@ -74,20 +74,24 @@ def make_layout(
     )
 
 
-def draft_slots(state: DecodeState) -> int:
-    """K: the most drafts a step over this state can make."""
+def max_drafts(state: DecodeState) -> int:
+    """K: the state's draft slots, the most drafts a step over it can make."""
     return state.draft_tokens.shape[1]
 
 
-def state_writes(state: DecodeState, num_drafts: int | None = None) -> tuple[str, ...]:
-    """The DecodeState fields the step or prefill drafting num_drafts (default: every slot) updates (checked by
-    passes/state_mutation)."""
-    slots = draft_slots(state)
-    k = depths = slots if num_drafts is None else num_drafts
-    names = ["pending_tokens", "seq_lens", "generated", "done", "step_tokens", "step_emitted", "step_accepted"]
+def check_draft_length(state: DecodeState, k: int) -> None:
+    if not 0 <= k <= max_drafts(state):
+        raise ValueError(f"k={k} is out of range; this state has 0..{max_drafts(state)} draft slots")
+
+
+def state_writes(state: DecodeState, k: int) -> tuple[str, ...]:
+    """The DecodeState fields the step or prefill drafting k updates (checked by passes/state_mutation)."""
+    depths = k
+    names = ["pending_tokens", "seq_lens", "generated", "done", "step_tokens", "step_emitted", "step_accepted",
+             "step_verified"]
     names += [f"main_keys[{i}]" for i in range(len(state.main_keys))]
     names += [f"main_values[{i}]" for i in range(len(state.main_values))]
-    if slots > 0:
+    if max_drafts(state) > 0:
         names.append("draft_counts")
     if k > 0:
         names += ["draft_tokens", "draft_probs"]
@@ -224,15 +228,11 @@ def _write_leading(buffer: torch.Tensor, rows: torch.Tensor, value: torch.Tensor
     buffer.index_put_((rows[:, None], columns[None, :]), value.to(buffer.dtype))
 
 
-def speculative_step(
-    model: CausalLM, state: DecodeState, constants: StepConstants, batch_size: int, num_drafts: int | None = None
-) -> None:
-    """One step for slots 0..batch_size-1 that verifies and then drafts num_drafts tokens (default: every draft
-    slot); slots marked done are left unchanged."""
-    slots = draft_slots(state)
-    k = slots if num_drafts is None else num_drafts
-    if not 0 <= k <= slots:
-        raise ValueError(f"num_drafts={k} is out of range; this state has 0..{slots} draft slots")
+def speculative_step(model: CausalLM, state: DecodeState, constants: StepConstants, batch_size: int, k: int) -> None:
+    """One step for slots 0..batch_size-1 that verifies the drafts each slot holds (at most k) and then drafts k
+    tokens; slots marked done are left unchanged."""
+    check_draft_length(state, k)
+    slots = max_drafts(state)
     rows = torch.arange(batch_size, device=state.seq_lens.device)
     seq_lens = state.seq_lens[:batch_size]
     active = ~state.done[:batch_size]
@@ -254,9 +254,9 @@ def speculative_step(
             mirror_new_rows(layer_tiers, state.main_keys[layer], state.main_values[layer], rows,
                             layout.write_index, state.trash_position)
     target_probs = sampling_probs(model.logits(hidden), temperature, top_k, top_p)
-    valid = state.draft_counts[:batch_size].clamp(max=k) if slots > 0 else None
+    verified = state.draft_counts[:batch_size].clamp(max=k) if slots > 0 else None
     accepted, next_token = verify_drafts(target_probs, state.draft_probs[:batch_size, :k], drafts, seeds, seq_lens,
-                                         valid)
+                                         verified)
 
     # Emitted this step: d_1..d_n, then the residual/bonus token at index n.
     padded_drafts = F.pad(drafts, (0, 1))
@@ -301,6 +301,7 @@ def speculative_step(
     _write_rows(state.step_tokens, rows, F.pad(emitted_tokens, (0, slots - k)))
     _write_rows(state.step_emitted, rows, count)
     _write_rows(state.step_accepted, rows, torch.where(active, accepted, 0))
+    _write_rows(state.step_verified, rows, torch.where(active, verified, 0) if slots > 0 else torch.zeros_like(count))
 
 
 def prefill(
@@ -310,16 +311,14 @@ def prefill(
     slot: torch.Tensor,
     prompt_ids: torch.Tensor,
     prompt_len: torch.Tensor,
-    num_drafts: int | None = None,
+    k: int,
 ) -> None:
     """Fills slot [1] from prompt_ids [1, T] (the first prompt_len [1] tokens are real) and samples the
-    first token and num_drafts drafts (default: every draft slot). k = auto admits with the k it decodes with:
-    draft depths past it then hold no rows of this prompt (0: a plain prefill, which runs no draft depth).
-    Sampling parameters and limits of the slot are set beforehand."""
-    slots = draft_slots(state)
-    k = slots if num_drafts is None else num_drafts
-    if not 0 <= k <= slots:
-        raise ValueError(f"num_drafts={k} is out of range; this state has 0..{slots} draft slots")
+    first token and k drafts. k = auto admits with the k it decodes with: draft depths past it then hold no rows
+    of this prompt (0: a plain prefill, which runs no draft depth). Sampling parameters and limits of the slot are
+    set beforehand."""
+    check_draft_length(state, k)
+    slots = max_drafts(state)
     width = prompt_ids.shape[1]
     positions = torch.arange(width, device=prompt_ids.device)[None, :]
     real = positions < prompt_len[:, None]
@@ -369,3 +368,4 @@ def prefill(
     _write_rows(state.step_tokens, slot, step_tokens)
     _write_rows(state.step_emitted, slot, count)
     _write_rows(state.step_accepted, slot, torch.zeros_like(count))
+    _write_rows(state.step_verified, slot, torch.zeros_like(count))
