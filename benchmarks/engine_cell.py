@@ -164,9 +164,9 @@ def measure_engine(spec: dict) -> dict:
         "step_batches": list(engine.runner.step_batches) if engine.runner.step_batches else None,
         "output_digests": [digest(output.token_ids) for output in outputs],
         # What the engine really runs with (None: dense attention).
-        "hisparse_top_k_tokens": engine.constants.hisparse.top_k_tokens if engine.constants.hisparse else None,
-        "hot_buffer_rows": engine.state.hot_keys[0].shape[1] - 1 if engine.state.hot_keys else None,
-        "hisparse_scorer": scorer_in_use(llm.model) if engine.constants.hisparse else None,
+        "hisparse_top_k_tokens": engine.constants.attention.config.top_k_tokens if engine.constants.attention.config else None,
+        "hot_buffer_rows": engine.state.hisparse.hot_keys[0].shape[1] - 1 if engine.state.hisparse else None,
+        "hisparse_scorer": scorer_in_use(llm.model) if engine.constants.attention.config else None,
         "main_weight_bytes": main_weight_bytes(llm.model),
         "draft_vocab_size": None if llm.model.draft_vocab is None else llm.model.draft_vocab.numel(),
         "draft_weight_dtype": draft_weight_dtype(llm.model),

@@ -5,10 +5,12 @@ from __future__ import annotations
 import torch
 
 from ..config import EngineConfig, GraphMode
+from ..hisparse.backend import HiSparseAttention
 from ..hisparse.indexer import index_key_dims
 from ..model.causal_lm import CausalLM
 from ..model.rope import rotary_tables
 from ..speculative.state import DecodeState
+from ..speculative.attention_backend import DenseAttention
 from ..speculative.step import StepConstants
 from .buckets import checked_buckets, compiled_prefill_limit, default_batch_buckets, default_prefill_buckets
 
@@ -33,7 +35,7 @@ def step_constants(model: CausalLM, config: EngineConfig, state: DecodeState, eo
         eos_ids=torch.tensor(eos_ids, dtype=torch.int64, device=device),
         max_seq_len=config.max_seq_len,
         opaque_attention=config.graph_mode == GraphMode.PIECEWISE,
-        hisparse=config.hisparse,
+        attention=HiSparseAttention(config.hisparse) if config.hisparse else DenseAttention(),
     )
 
 

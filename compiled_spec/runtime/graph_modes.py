@@ -175,17 +175,19 @@ class StepRunner:
         if options.get("freezing") and batch_size is not None and batch_size >= PACKAGED_STEP_MIN_LARGEST_BATCH:
             self.step_batches = (1, batch_size)
 
+        hisparse = constants.attention.config
+
         def compiled(name: str, function, k: int):
             context = PassContext(
-                graph_name=f"{name} ({mode.value})", state_writes=state_writes(state, k),
-                options={**options, **({"hisparse": repr(constants.hisparse)} if constants.hisparse else {}),
+                graph_name=f"{name} ({mode.value})", state_writes=state_writes(state, constants, k),
+                options={**options, **({"hisparse": repr(hisparse)} if hisparse else {}),
                          **({"decode_attention": decode_attention.loaded()}
                             if device.type == "cpu" and not options.get("freezing") else {}),
                          "torch_patches": torch_patches.cache_key(),
                          **({"cpu_partitions": cpu_partitions.VERSION}
                             if device.type == "cpu" and options.get("graph_partition") else {})},
             )
-            manager = SpecPassManager(passes if passes is not None else default_passes(constants.hisparse), context)
+            manager = SpecPassManager(passes if passes is not None else default_passes(hisparse), context)
             self.managers[name] = manager
             if options.get("freezing"):
                 dynamic = None

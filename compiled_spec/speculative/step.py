@@ -22,10 +22,10 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from ..hisparse.tiers import draft_tiers, main_tiers, mirror_new_rows, reset_hot_rows, tier_field_names
 from ..model.causal_lm import CausalLM
 from ..model.layers import PassLayout
 from . import rng
+from .attention_backend import AttentionBackend, DenseAttention
 from .sampler import race_sample, sampling_probs, verify_drafts
 from .state import DecodeState
 
@@ -38,7 +38,7 @@ class StepConstants(NamedTuple):
     eos_ids: torch.Tensor  # [num_eos] int64
     max_seq_len: int
     opaque_attention: bool = False
-    hisparse: object = None  # HiSparseConfig: decode passes attend sparsely over tiered caches
+    attention: AttentionBackend = DenseAttention()  # HiSparseAttention: decode passes attend over tiered caches
 
 
 def make_layout(
@@ -69,7 +69,7 @@ def make_layout(
         sin=constants.rope_sin[clamped],
         slots_are_prefix=slots_are_prefix,
         opaque_attention=constants.opaque_attention,
-        hisparse=constants.hisparse if sparse else None,
+        hisparse=constants.attention.config if sparse else None,
         positions=clamped,
     )
 
@@ -84,7 +84,7 @@ def check_draft_length(state: DecodeState, k: int) -> None:
         raise ValueError(f"k={k} is out of range; this state has 0..{max_drafts(state)} draft slots")
 
 
-def state_writes(state: DecodeState, k: int) -> tuple[str, ...]:
+def state_writes(state: DecodeState, constants: StepConstants, k: int) -> tuple[str, ...]:
     """The DecodeState fields the step or prefill drafting k updates (checked by passes/state_mutation)."""
     depths = k
     names = ["pending_tokens", "seq_lens", "generated", "done", "step_tokens", "step_emitted", "step_accepted",
@@ -98,7 +98,7 @@ def state_writes(state: DecodeState, k: int) -> tuple[str, ...]:
         names += [f"draft_keys[{i}]" for i in range(depths)] + [f"draft_values[{i}]" for i in range(depths)]
     if depths > 1:
         names.append("carry_hidden")
-    return tuple(names + tier_field_names(state, depths))
+    return tuple(names + constants.attention.state_writes(state, depths))
 
 
 def _row_params(state: DecodeState, rows: torch.Tensor):
@@ -152,14 +152,11 @@ def _draft_chain(
         layout = make_layout(state, constants, slot_ids, positions, writable, slots_are_prefix, sparse, attended)
         if depth > 1:
             previous = _prepend_row(carry_hidden[:, depth - 2 : depth - 1], previous)
-        tiers = draft_tiers(state, depth)
+        tiers = constants.attention.draft_tiers(state, depth)
         hidden = model.mtp_hidden_states(
             depth, tokens, previous, layout, state.draft_keys[depth - 1], state.draft_values[depth - 1], tiers
         )
-        if layout.hisparse is not None and layout.hisparse.draft_mirror:
-            # The draft mirror: this depth's new rows reach its cold pool before any later pass reads them.
-            mirror_new_rows(tiers, state.draft_keys[depth - 1], state.draft_values[depth - 1], slot_ids,
-                            layout.write_index, state.trash_position)
+        constants.attention.after_draft_pass(state, tiers, depth, layout, slot_ids)
         pick = (producing_index + depth - 1)[:, None, None].expand(batch, 1, hidden.shape[-1])
         logits = model.draft_logits(hidden.gather(1, pick)[:, 0])
         depth_probs = sampling_probs(logits, temperature, top_k, top_p)
@@ -247,12 +244,9 @@ def speculative_step(model: CausalLM, state: DecodeState, constants: StepConstan
     offsets = torch.arange(k + 1, device=rows.device)
     positions = first_row[:, None] + offsets
     layout = make_layout(state, constants, rows, positions, writable, True, sparse=True)
-    tiers = main_tiers(state)
+    tiers = constants.attention.main_tiers(state)
     hidden = model.hidden_states(verify_tokens, layout, state.main_keys, state.main_values, tiers)
-    if layout.hisparse is not None:
-        for layer, layer_tiers in enumerate(tiers):
-            mirror_new_rows(layer_tiers, state.main_keys[layer], state.main_values[layer], rows,
-                            layout.write_index, state.trash_position)
+    constants.attention.after_main_pass(state, tiers, layout, rows)
     target_probs = sampling_probs(model.logits(hidden), temperature, top_k, top_p)
     verified = state.draft_counts[:batch_size].clamp(max=k) if slots > 0 else None
     accepted, next_token = verify_drafts(target_probs, state.draft_probs[:batch_size, :k], drafts, seeds, seq_lens,
@@ -323,8 +317,9 @@ def prefill(
     positions = torch.arange(width, device=prompt_ids.device)[None, :]
     real = positions < prompt_len[:, None]
     layout = make_layout(state, constants, slot, positions, real, False, attended=width)
-    reset_hot_rows(state, slot)
-    hidden = model.hidden_states(prompt_ids, layout, state.main_keys, state.main_values, main_tiers(state))
+    constants.attention.reset_slot(state, slot)
+    hidden = model.hidden_states(prompt_ids, layout, state.main_keys, state.main_values,
+                                 constants.attention.main_tiers(state))
     last = (prompt_len - 1)[:, None, None].expand(1, 1, hidden.shape[-1])
     temperature, top_k, top_p = _row_params(state, slot)
     probs = sampling_probs(model.logits(hidden.gather(1, last)[:, 0]), temperature, top_k, top_p)
