@@ -304,8 +304,8 @@ def generate(prompts, prompt_ids, model, mtp, draft_vocab_size, draft_dtype, deq
     outputs = llm.generate(model_prompts, params, on_tokens=streamer.on_tokens if streamer else None)
     elapsed = time.perf_counter() - start
 
-    summary = cli_format.Summary(llm.num_speculative_tokens, llm.engine.graph_mode_run(), outputs, elapsed,
-                                 draft_slots=llm.draft_slots, weight_format=llm.weight_format)
+    summary = cli_format.Summary(llm.num_speculative_tokens, llm.engine.startup.graph_mode_run(), outputs, elapsed,
+                                 max_drafts=llm.draft_slots, weight_format=llm.weight_format)
     for index, (prompt, output) in enumerate(zip(all_prompts, outputs)):
         if as_json:
             click.echo(cli_format.to_json(cli_format.request_record(index, prompt, output)))

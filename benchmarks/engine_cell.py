@@ -148,13 +148,13 @@ def measure_engine(spec: dict) -> dict:
         "auto_step_seconds": {str(key): seconds for (_, key), seconds in sorted(engine.chooser.seconds.items())}
         if engine.chooser else None,
         "auto_acceptance_estimate": list(engine.chooser.acceptance) if engine.chooser else None,
-        "warmup_s": engine.warmup_seconds,
+        "warmup_s": engine.startup.warmup_seconds,
         "setup_s": setup_s,
         "graphs_compiled_while_timed": graphs_made(engine.runner) - graphs_before,
         # full on CPU: bucket packages compiled at warm-up, and those a warm start loaded instead.
-        "packages_compiled": len(packages_compiled) + len(engine.compiled_in_processes),
-        "packages_loaded": len(packages_loaded) - len(engine.compiled_in_processes),
-        "compile_processes": engine.compile_processes,
+        "packages_compiled": len(packages_compiled) + len(engine.startup.compiled_in_processes),
+        "packages_loaded": len(packages_loaded) - len(engine.startup.compiled_in_processes),
+        "compile_processes": engine.startup.compile_processes,
         "package_bytes": engine.runner.package_bytes(),
         "constants_bytes": engine.runner.constants_bytes(),  # the frozen weights the packages share, once
         "weight_bytes": resident_weight_bytes(llm.model),
@@ -166,9 +166,9 @@ def measure_engine(spec: dict) -> dict:
         "step_batches": list(engine.runner.step_batches) if engine.runner.step_batches else None,
         "output_digests": [digest(output.token_ids) for output in outputs],
         # What the engine really runs with (None: dense attention).
-        "hisparse_top_k_tokens": engine.constants.hisparse.top_k_tokens if engine.constants.hisparse else None,
-        "hot_buffer_rows": engine.state.hot_keys[0].shape[1] - 1 if engine.state.hot_keys else None,
-        "hisparse_scorer": scorer_in_use(llm.model) if engine.constants.hisparse else None,
+        "hisparse_top_k_tokens": engine.constants.attention.config.top_k_tokens if engine.constants.attention.config else None,
+        "hot_buffer_rows": engine.state.hisparse.hot_keys[0].shape[1] - 1 if engine.state.hisparse else None,
+        "hisparse_scorer": scorer_in_use(llm.model) if engine.constants.attention.config else None,
         "main_weight_bytes": main_weight_bytes(llm.model),
         "draft_vocab_size": None if llm.model.draft_vocab is None else llm.model.draft_vocab.numel(),
         "draft_weight_dtype": draft_weight_dtype(llm.model),

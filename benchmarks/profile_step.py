@@ -49,7 +49,7 @@ def main() -> None:
         llm.generate(prompt, params)
     steps = llm.engine.step_seconds
     print(f"{args.graph_mode}, k={args.num_speculative_tokens}, batch 1: {len(steps)} steps, "
-          f"mean {1000 * statistics.fmean(steps):.2f} ms (profiler overhead included), warm-up {llm.engine.warmup_seconds:.0f} s")
+          f"mean {1000 * statistics.fmean(steps):.2f} ms (profiler overhead included), warm-up {llm.engine.startup.warmup_seconds:.0f} s")
     print(profiler.key_averages(group_by_input_shape=args.shapes).table(sort_by="self_cpu_time_total", row_limit=args.rows, max_name_column_width=60))
     if args.trace:
         profiler.export_chrome_trace(args.trace)

@@ -19,7 +19,7 @@ from .params import RequestOutput, SamplingParams, SpecStats
 from .registry import (default_draft_dtype, default_draft_vocab_size, default_num_speculative_tokens, resolve_model,
                        shipped_mtp_modules)
 from .runtime.background_compile import compile_worker_count
-from .runtime.engine import Engine, Request, TokenCallback
+from .runtime.engine import Engine, Request, StartOptions, TokenCallback
 from .speculative.state import DecodeState
 from .speculative.step import StepConstants, make_layout
 from .tokenizer import eos_token_ids, load_tokenizer
@@ -112,26 +112,26 @@ class LLM:
             attach_indexers(self.model, self.path, hisparse.scorer)
         self.tokenizer = load_tokenizer(self.path)
         self.eos_ids = eos_token_ids(self.path, self.model_config.eos_token_ids, self.tokenizer)
-        self.engine = Engine(self.model, self.config, self.eos_ids, self.tokenizer)
-        self.engine.calibration_prompt = self._calibration_prompt()
         if background_compile is None:
             background_compile = graph_mode is None and self.config.graph_mode == GraphMode.FULL and device == "cpu"
         if background_compile and (self.config.graph_mode != GraphMode.FULL or device != "cpu"):
             raise CompiledSpecError(f"background_compile=True needs graph_mode='full' on CPU, not "
                                     f"{self.config.graph_mode.value!r} on {device!r}")
         compile_worker_count(compile_workers, 1)  # a bad count or $COMPILED_SPEC_COMPILE_WORKERS fails here, not later
-        self.engine.compile_workers = compile_workers
-        self.engine.tiered_start = bool(background_compile)
+        llm_arguments = None
         if self.config.graph_mode == GraphMode.FULL and device == "cpu":
-            self.engine.llm_arguments = dict(
+            llm_arguments = dict(
                 model=str(self.path), mtp=self.mtp_path, draft_vocab_size=draft_vocab_size, draft_dtype=draft_dtype,
                 num_speculative_tokens=self.config.num_speculative_tokens, max_speculative_tokens=max_speculative_tokens,
                 max_batch_size=max_batch_size, max_seq_len=max_seq_len, device=device, dtype=self.config.dtype,
                 seed=seed, batch_buckets=batch_buckets, prefill_buckets=prefill_buckets, hisparse=hisparse,
                 dequantize=dequantize, quantize=quantize,
             )
+        start = StartOptions(calibration_prompt=self._calibration_prompt(), llm_arguments=llm_arguments,
+                             tiered_start=bool(background_compile), compile_workers=compile_workers)
+        self.engine = Engine(self.model, self.config, self.eos_ids, self.tokenizer, start)
         if warm_up:
-            self.engine.warm_up(show_progress)
+            self.engine.startup.warm_up(show_progress)
         self._requests_made = itertools.count()  # seeds unseeded requests; next() is atomic across threads
 
     @property
@@ -146,13 +146,13 @@ class LLM:
 
     @property
     def draft_slots(self) -> int:
-        """The most drafts one step verifies: k, or max_speculative_tokens with auto."""
-        return self.engine.k
+        """K, the most drafts one step verifies: k, or max_speculative_tokens with auto (the engine's max_drafts)."""
+        return self.engine.max_drafts
 
     def _calibration_prompt(self) -> list[int] | None:
         """What k = auto decodes at warm-up to seed its acceptance estimates: a short text, as a chat turn for a
         model with a chat template."""
-        if not self.engine.chooser:
+        if not self.config.auto:
             return None
         if self.tokenizer is None:
             return [self.model_config.bos_token_id or 0]

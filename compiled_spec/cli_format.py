@@ -7,7 +7,7 @@ from typing import Callable
 
 from .model import decode_attention
 from .params import RequestOutput, SpecStats
-from .text_stream import TextStream
+from .detokenizer import TextStream
 
 Prompt = str | list[int]
 
@@ -92,8 +92,8 @@ class Summary:
     """All requests of one command together: tokens/s and the merged speculation statistics."""
 
     def __init__(self, num_speculative_tokens: int | str, graph_mode: str, outputs: list[RequestOutput],
-                 elapsed_s: float, draft_slots: int | None = None, weight_format: str | None = None):
-        """num_speculative_tokens: k or "auto"; draft_slots: the most drafts a step verifies (default: k);
+                 elapsed_s: float, max_drafts: int | None = None, weight_format: str | None = None):
+        """num_speculative_tokens: k or "auto"; max_drafts: the most drafts a step verifies (default: k);
         weight_format: how the main model's matrices are held (LLM.weight_format)."""
         self.num_speculative_tokens = num_speculative_tokens
         self.weight_format = weight_format
@@ -102,7 +102,7 @@ class Summary:
         self.requests = len(outputs)
         self.errors = sum(output.finish_reason == "error" for output in outputs)
         self.generated_tokens = sum(len(output.token_ids) for output in outputs)
-        self.stats = SpecStats(num_speculative_tokens if draft_slots is None else draft_slots)
+        self.stats = SpecStats(num_speculative_tokens if max_drafts is None else max_drafts)
         for output in outputs:
             if output.finish_reason != "error":
                 self.stats.merge(output.stats)

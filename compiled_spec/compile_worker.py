@@ -61,7 +61,7 @@ def compile_one(graph: tuple, expected: str) -> str:
                               "the model or configuration changed")
     start = time.perf_counter()
     if not path.exists():
-        _llm.engine.compile_graph(*graph)
+        _llm.engine.startup.compile_graph(*graph)
     return f"ready: {path.name} (pid {os.getpid()}, {time.perf_counter() - start:.1f} s)"
 
 

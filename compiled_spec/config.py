@@ -231,7 +231,7 @@ class EngineConfig:
         return self.num_speculative_tokens == AUTO
 
     @property
-    def draft_slots(self) -> int:
+    def max_drafts(self) -> int:
         """K: the most drafts one step makes (max_speculative_tokens with auto)."""
         return self.max_speculative_tokens if self.auto else self.num_speculative_tokens
 
@@ -271,4 +271,4 @@ class EngineConfig:
 
             if not isinstance(self.hisparse, HiSparseConfig):
                 raise CompiledSpecError(f"hisparse={self.hisparse!r} must be None or a HiSparseConfig")
-            self.hisparse.validate(self.draft_slots)
+            self.hisparse.validate(self.max_drafts)

@@ -14,7 +14,7 @@ import re
 import torch
 
 _SOURCE_NAMES: contextvars.ContextVar[list[str] | None] = contextvars.ContextVar("spec_input_names", default=None)
-_STATE_FIELD = re.compile(r"(?:\['state'\]|^state)\.(\w+(?:\[\d+\])?)")
+_STATE_FIELD = re.compile(r"(?:\['state'\]|^state)\.(\w+(?:\.\w+)*(?:\[\d+\])?)")
 
 
 @contextlib.contextmanager
@@ -35,7 +35,7 @@ def source_names(gm: torch.fx.GraphModule) -> list[str]:
 
 
 def state_field(placeholder: torch.fx.Node) -> str | None:
-    """The DecodeState field a placeholder carries ('seq_lens', 'main_keys[0]'), or None."""
+    """The DecodeState field a placeholder carries ('seq_lens', 'main_keys[0]', 'hisparse.hot_keys[0]'), or None."""
     names = _SOURCE_NAMES.get()
     index = getattr(placeholder.meta.get("desc"), "idx", None)
     if names is None or index is None or index >= len(names):

@@ -17,6 +17,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from compiled_spec.runtime.engine import Engine  # noqa: E402
+from compiled_spec.runtime.startup import GraphStartup  # noqa: E402
 
 SECRET = "injected fault 7f3a: secret engine detail"
 
@@ -31,7 +32,7 @@ def fires(fault_dir: Path, name: str) -> bool:
 
 
 def install(fault_dir: Path) -> None:
-    step, poll_background = Engine.step, Engine.poll_background
+    step, poll_background = Engine.step, GraphStartup.poll_background
 
     def faulty_step(self, *args, **kwargs):
         slow = fault_dir / "slow"
@@ -48,7 +49,7 @@ def install(fault_dir: Path) -> None:
             raise RuntimeError(f"{SECRET} (poll)")
         return poll_background(self, *args, **kwargs)
 
-    Engine.step, Engine.poll_background = faulty_step, faulty_poll
+    Engine.step, GraphStartup.poll_background = faulty_step, faulty_poll
 
 
 if __name__ == "__main__":

@@ -126,14 +126,15 @@ def test_uuid_covers_the_pass_configuration():
 def faulty_engine(path, mode: GraphMode, passes):
     llm = LLM(path, graph_mode=mode, warm_up=False, **ENGINE)
     engine = llm.engine
-    engine.runner = PositionsInPythonRunner(llm.model, engine.state, engine.constants, mode, passes=passes)
+    engine.runner = PositionsInPythonRunner(llm.model, engine.state, engine.constants, mode,
+                                            engine.runner.draft_lengths, passes=passes)
     return llm
 
 
 def test_audit_rejects_positions_advanced_in_python(tiny_checkpoint):
     llm = faulty_engine(tiny_checkpoint("predictive").path, GraphMode.FULL, passes=None)
     with pytest.raises(Exception) as info:
-        llm.engine.warm_up(show_progress=False)
+        llm.engine.startup.warm_up(show_progress=False)
     message = audit_failure(info.value)
     assert "returns tensors to Python" in message
     assert "decode state updated outside the graph: seq_lens" in message
@@ -149,7 +150,7 @@ def test_without_the_audit_the_fault_collapses_acceptance_in_full_mode(tiny_chec
     reference = LLM(path, graph_mode="eager", **ENGINE).generate(prompts, params)
     eager_faulty = faulty_engine(path, GraphMode.EAGER, passes=None).generate(prompts, params)
     full_llm = faulty_engine(path, GraphMode.FULL, passes=[])
-    full_llm.engine.warm_up(show_progress=False)
+    full_llm.engine.startup.warm_up(show_progress=False)
     full_faulty = full_llm.generate(prompts, params)
 
     def accepted(outputs):

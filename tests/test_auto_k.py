@@ -84,6 +84,16 @@ def lane_counts(records) -> list[tuple[int, int, int]]:
     return [(r.num_drafts, verified, accepted) for r in records for verified, (_, accepted) in zip(r.verified, r.lanes)]
 
 
+def validly_held(records, k_before: int) -> list[tuple[int, int]]:
+    """(drafts the lane validly held, drafts it accepted) of every lane of every step: a lane holds the k of the
+    step before (its drafts, or its prefill's, were made then), at most the step's own k."""
+    lanes, previous = [], k_before
+    for record in records:
+        lanes += [(min(record.num_drafts, previous), accepted) for _, accepted in record.lanes]
+        previous = record.num_drafts
+    return lanes
+
+
 def test_switching_k_mid_request_keeps_greedy_output(plain_tokens, eager_switching):
     outputs, records = eager_switching
     assert [o.token_ids for o in outputs] == plain_tokens
@@ -91,6 +101,7 @@ def test_switching_k_mid_request_keeps_greedy_output(plain_tokens, eager_switchi
     assert {k for k, _, _ in lanes} == {0, 1, 2}
     assert any(verified < k for k, verified, _ in lanes), "no lane verified fewer drafts than its step drafted"
     assert all(accepted <= verified for _, verified, accepted in lanes)
+    assert [verified for _, verified, _ in lanes] == [held for held, _ in validly_held(records, K)]
     assert any(accepted == verified == 2 for _, verified, accepted in lanes)  # full acceptance happens too
     merged = [o.stats for o in outputs]
     assert sum(s.steps_per_num_drafts.get(0, 0) for s in merged) > 0
@@ -227,15 +238,16 @@ def test_a_stale_draft_count_is_caught(prompts, plain_tokens, eager_switching):
     llm = scheduled(LLM(path, graph_mode="eager", **ENGINE))
     engine = llm.engine
     engine.runner = StepRunner(llm.model, engine.state, engine.constants, GraphMode.EAGER,
-                               step_function=step_without_draft_counts, draft_lengths=tuple(range(K)))
+                               step_function=step_without_draft_counts, draft_lengths=tuple(range(K + 1)))
     records = record_steps(llm)
+    k_before = engine.last_num_drafts
     outputs = llm.generate(texts, GREEDY)
     assert [o.token_ids for o in outputs] == plain_tokens
-    assert any(accepted > verified for _, verified, accepted in lane_counts(records))
+    assert any(accepted > held for held, accepted in validly_held(records, k_before))
     assert lane_counts(records) != lane_counts(eager_switching[1])
 
     compiled = StepRunner(llm.model, engine.state, engine.constants, GraphMode.COMPILE,
-                          step_function=step_without_draft_counts, draft_lengths=tuple(range(K)))
+                          step_function=step_without_draft_counts, draft_lengths=tuple(range(K + 1)))
     with pytest.raises(Exception) as raised:
         compiled.step(4, 1)
     assert "decode state updated outside the graph: draft_counts" in audit_failure(raised.value)

@@ -110,7 +110,7 @@ def check_fell_back(llm: LLM, every: int, first_faulty_step: int, mode: GraphMod
     divergences = llm.engine.canary.divergences
     assert len(divergences) == 1  # then the engine runs the safer mode, which the canary checks too
     assert first_faulty_step <= divergences[0].step < first_faulty_step + every
-    assert llm.engine.fallbacks == [mode] and llm.engine.runner.mode == mode
+    assert llm.engine.startup.fallbacks == [mode] and llm.engine.runner.mode == mode
     lines = [r.getMessage() for r in caplog.records if "graph divergence" in r.getMessage()]
     assert lines == [f"compiled-spec: {divergences[0]}; falling back from {lines[0].split('from ')[1].split(' ')[0]} "
                      f"to {mode.value}"]
@@ -124,7 +124,7 @@ def test_a_graph_computing_what_eager_does_not_is_caught(workload, caplog):
     llm = LLM(path, graph_mode="compile", warm_up=False, verify_graphs_every=1, **ENGINE)
     engine = llm.engine
     engine.runner = prefilling_in_eager(StepRunner(llm.model, engine.state, engine.constants, GraphMode.COMPILE,
-                                                   passes=[HalvedDraftProbs()]))
+                                                   engine.runner.draft_lengths, passes=[HalvedDraftProbs()]))
     with caplog.at_level(logging.WARNING, logger="compiled_spec.canary"):
         assert run(llm, prompts, params) == eager
     divergence = check_fell_back(llm, 1, 1, GraphMode.EAGER, caplog)
@@ -144,7 +144,7 @@ def test_a_step_that_skips_the_draft_count_write_is_caught(workload, caplog):
     engine.chooser = ScheduledChooser(schedule)
     engine.runner = prefilling_in_eager(StepRunner(
         llm.model, engine.state, engine.constants, GraphMode.COMPILE, passes=[],
-        step_function=step_without_draft_counts, draft_lengths=(0, 1)))
+        step_function=step_without_draft_counts, draft_lengths=(0, 1, 2)))
     with caplog.at_level(logging.WARNING, logger="compiled_spec.canary"):
         assert run(llm, prompts, params) == eager
     divergence = check_fell_back(llm, every, 1, GraphMode.EAGER, caplog)
@@ -160,7 +160,8 @@ def test_state_updated_outside_a_captured_graph_is_caught(workload, caplog):
     eager = run(LLM(path, graph_mode="eager", **ENGINE), prompts, params)
     llm = LLM(path, graph_mode="piecewise", warm_up=False, verify_graphs_every=every, **ENGINE)
     engine = llm.engine
-    engine.runner = PositionsInPythonRunner(llm.model, engine.state, engine.constants, GraphMode.PIECEWISE, passes=[])
+    engine.runner = PositionsInPythonRunner(llm.model, engine.state, engine.constants, GraphMode.PIECEWISE,
+                                            engine.runner.draft_lengths, passes=[])
     with caplog.at_level(logging.WARNING, logger="compiled_spec.canary"):
         assert run(llm, prompts, params) == eager
     check_fell_back(llm, every, 2, GraphMode.COMPILE, caplog)

@@ -54,14 +54,14 @@ def test_a_stale_pid_file_naming_a_live_process_that_does_not_compile_is_not_fol
     llm = LLM(tiny_checkpoint("predictive").path, graph_mode="full", background_compile=True, compile_workers=1,
               show_progress=False, warm_up=False, **SMALL)
     engine = llm.engine
-    paths = [engine.runner.package_path(*graph) for graph in engine.warm_up_graphs()]
+    paths = [engine.runner.package_path(*graph) for graph in engine.startup.warm_up_graphs()]
     other = subprocess.Popen(["sleep", "120"]) if holder == "an unrelated process" else None
     try:
         pid_file = failed_file(paths).with_suffix(".pid")  # the pid file a BackgroundCompile of these paths reads
         pid_file.parent.mkdir(parents=True, exist_ok=True)
         pid_file.write_text(str(other.pid if other else os.getpid()))
-        engine.warm_up(show_progress=False)
-        background = engine.background
+        engine.startup.warm_up(show_progress=False)
+        background = engine.startup.background
         assert background is not None and background.process is not None  # its own child, not the stale pid's
         assert background.pid != (other.pid if other else os.getpid())
         background.stop()
@@ -74,7 +74,7 @@ def test_a_compile_child_killed_by_its_pid_takes_its_pool_workers_with_it(tiny_c
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
     llm = LLM(tiny_checkpoint("predictive").path, graph_mode="full", background_compile=True, compile_workers=2,
               show_progress=False, **SMALL)
-    child = llm.engine.background.process
+    child = llm.engine.startup.background.process
     deadline = time.monotonic() + 120
     while len(workers := pool_workers_of(child.pid)) < 2 and time.monotonic() < deadline:
         time.sleep(0.2)
@@ -86,7 +86,7 @@ def test_a_compile_child_killed_by_its_pid_takes_its_pool_workers_with_it(tiny_c
     while any(alive(worker) for worker in workers) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not any(alive(worker) for worker in workers), "pool workers outlived the child that started them"
-    llm.engine.background.stop()
+    llm.engine.startup.background.stop()
 
 
 def copy_packages(names: list[str], folder: Path) -> None:
@@ -157,9 +157,9 @@ def test_a_tiered_start_finding_a_damaged_package_serves_in_eager_while_it_compi
     messages = [record.getMessage() for record in caplog.records if record.levelno >= 30]
     assert len(messages) == 1 and "damaged" in messages[0] and str(copy) in messages[0], messages
     engine = llm.engine
-    assert engine.runner.mode == GraphMode.EAGER and engine.background is not None  # serving while it compiles
+    assert engine.runner.mode == GraphMode.EAGER and engine.startup.background is not None  # serving while it compiles
     assert decode(llm, prompts) == reference
-    background = engine.background
-    assert engine.poll_background(wait=True, timeout=900) == "ready", background.log.read_text()[-3000:]
+    background = engine.startup.background
+    assert engine.startup.poll_background(wait=True, timeout=900) == "ready", background.log.read_text()[-3000:]
     assert engine.runner.mode == GraphMode.FULL
     assert decode(llm, prompts) == reference

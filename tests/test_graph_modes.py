@@ -63,8 +63,8 @@ def compiled_result(request, workload):
         compiled, loaded = llm.engine.runner.packages()
         missing = sorted(set(compiled + loaded) - packages_before)
         if len(missing) >= 2:
-            assert compiled == [] and sorted(llm.engine.compiled_in_processes) == missing
-            assert llm.engine.compile_processes == 2
+            assert compiled == [] and sorted(llm.engine.startup.compiled_in_processes) == missing
+            assert llm.engine.startup.compile_processes == 2
         else:
             assert sorted(compiled) == missing
     with torch.compiler.set_stance("fail_on_recompile"):
@@ -112,7 +112,7 @@ def test_full_mode_on_cpu_folds_the_weights_into_its_gemms(compiled_result):
     `full` did when Dynamo lifted them as inputs), with them folded max-autotune compiles C++ GEMM kernels."""
     engine = compiled_result["llm"].engine
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profiler:
-        engine.runner.step(ENGINE["batch_buckets"][0])
+        engine.runner.step(ENGINE["batch_buckets"][0], engine.max_drafts)
     calls = {event.key: event.count for event in profiler.key_averages()}
     matmuls = sum(calls.get(name, 0) for name in ("aten::mm", "aten::addmm", "aten::bmm", "aten::linear"))
     if compiled_result["mode"] == "full":

@@ -85,7 +85,7 @@ def test_a_pinned_cold_pool_is_refused_off_cuda():
 
 def test_off_by_default_adds_no_state(tiny_checkpoint):
     llm = LLM(tiny_checkpoint("predictive").path, warm_up=False, **MIRROR_ENGINE)
-    assert llm.engine.state.hot_keys == [] and llm.engine.state.index_keys == []
+    assert llm.engine.state.hisparse is None
     assert all(layer.self_attn.indexer is None for layer in llm.model.layers)
 
 
@@ -269,7 +269,7 @@ def test_lightning_indexer_weights_load_for_main_and_draft_layers(tiny_checkpoin
     llm = LLM(indexer_checkpoint, hisparse=HiSparseConfig(top_k_tokens=64, hot_rows=68, scorer="indexer"), **MIRROR_ENGINE)
     indexers = [layer.self_attn.indexer for layer in llm.model.layers] + [m.block.self_attn.indexer for m in llm.model.mtp]
     assert all(isinstance(indexer, LightningIndexer) and indexer.num_heads == 2 for indexer in indexers)
-    assert [tensor.shape[-1] for tensor in llm.engine.state.index_keys] == [8, 8, 8]
+    assert [tensor.shape[-1] for tensor in llm.engine.state.hisparse.index_keys] == [8, 8, 8]
     assert run(llm, prompts)[:2] == dense[:2]
     sparse = run(LLM(indexer_checkpoint, hisparse=HiSparseConfig(top_k_tokens=4, hot_rows=8), **MIRROR_ENGINE), prompts)
     assert sparse[0] != dense[0]  # a small top-k does attend to fewer tokens
@@ -296,10 +296,10 @@ def record_evictions(llm: LLM) -> list[int]:
     runner, state, evictions = llm.engine.runner, llm.engine.state, []
     step = runner.step
 
-    def counting_step(batch_size):
-        before = [positions.clone() for positions in state.hot_positions]
-        step(batch_size)
-        evictions.append(sum(int(((old >= 0) & (old != new)).sum()) for old, new in zip(before, state.hot_positions)))
+    def counting_step(batch_size, k):
+        before = [positions.clone() for positions in state.hisparse.hot_positions]
+        step(batch_size, k)
+        evictions.append(sum(int(((old >= 0) & (old != new)).sum()) for old, new in zip(before, state.hisparse.hot_positions)))
 
     runner.step = counting_step
     return evictions
@@ -337,12 +337,12 @@ def test_a_bfloat16_cold_pool_halves_its_memory_and_full_mode_still_equals_eager
     eager = LLM(path, hisparse=compact, **MIRROR_ENGINE)
     state = eager.engine.state
     assert {t.dtype for t in state.main_keys + state.draft_values} == {torch.bfloat16}
-    assert {t.dtype for t in state.hot_keys + state.hot_values} == {torch.float32}
+    assert {t.dtype for t in state.hisparse.hot_keys + state.hisparse.hot_values} == {torch.float32}
     eager_tokens, eager_steps, acceptance = run(eager, prompts)
     assert acceptance > 0.6
     # Every resident row is backed up: the cold pool holds it, rounded to bfloat16 (main layer and both depths).
     for layer, cold in enumerate(state.main_keys + state.draft_keys):
-        hot, positions = state.hot_keys[layer], state.hot_positions[layer]
+        hot, positions = state.hisparse.hot_keys[layer], state.hisparse.hot_positions[layer]
         slots, rows = (positions >= 0).nonzero(as_tuple=True)
         assert len(slots) > 0
         assert torch.equal(cold[slots, positions[slots, rows]], hot[slots, rows].bfloat16())
@@ -356,7 +356,8 @@ def test_a_bfloat16_cold_pool_halves_its_memory_and_full_mode_still_equals_eager
 def faulty_engine(path, mode: GraphMode, passes):
     llm = LLM(path, graph_mode=mode, hisparse=without_draft_mirror(SATURATED), warm_up=False, **MIRROR_ENGINE)
     engine = llm.engine
-    engine.runner = StepRunner(llm.model, engine.state, engine.constants, mode, passes=passes)
+    engine.runner = StepRunner(llm.model, engine.state, engine.constants, mode, engine.runner.draft_lengths,
+                               passes=passes)
     return llm
 
 
@@ -366,7 +367,7 @@ def test_without_the_draft_mirror_acceptance_collapses_in_full_mode_but_output_s
     # Only the fusion pass: the state-mutation pass would reject this step (next test).
     llm = faulty_engine(path, GraphMode.FULL, passes=[HiSparseFusionPass(SATURATED)])
     prefilling_in_eager(llm.engine.runner)  # the step is what reads the stale rows
-    llm.engine.warm_up(show_progress=False)
+    llm.engine.startup.warm_up(show_progress=False)
     tokens, _, acceptance = run(llm, prompts)
     # The target verifies every draft, so the text is right; the drafts read stale KV swapped in from the cold pool.
     assert tokens == eager_tokens
@@ -377,7 +378,7 @@ def test_without_the_draft_mirror_acceptance_collapses_in_full_mode_but_output_s
 def test_the_state_mutation_pass_rejects_a_step_without_the_draft_mirror(tiny_checkpoint):
     llm = faulty_engine(tiny_checkpoint("predictive").path, GraphMode.COMPILE, passes=None)
     with pytest.raises(Exception) as info:
-        llm.engine.warm_up(show_progress=False)
+        llm.engine.startup.warm_up(show_progress=False)
     assert "decode state updated outside the graph: draft_keys[0], draft_keys[1], draft_values[0]" in audit_failure(info.value)
 
 

@@ -122,12 +122,13 @@ def test_full_on_cpu_keeps_a_static_step_package_per_batch_bucket_below_a_larges
     def steps(buckets):
         llm = LLM(path, graph_mode="full", max_batch_size=buckets[-1], batch_buckets=buckets, max_seq_len=32,
                   warm_up=False, show_progress=False)
-        graphs = [graph for graph in llm.engine.warm_up_graphs() if graph[0] == "step"]
+        graphs = [(kind, size, "K" if k == llm.engine.max_drafts else k)
+                  for kind, size, k in llm.engine.startup.warm_up_graphs() if kind == "step"]
         return llm.engine.runner.step_batches, graphs
 
-    assert steps((1, 2)) == (None, [("step", 2, None), ("step", 1, None)])
-    assert steps((1, 2, 3)) == ((1, 3), [("step", 3, None)])
-    assert steps((4,)) == ((1, 4), [("step", 4, None)])
+    assert steps((1, 2)) == (None, [("step", 2, "K"), ("step", 1, "K")])
+    assert steps((1, 2, 3)) == ((1, 3), [("step", 3, "K")])
+    assert steps((4,)) == ((1, 4), [("step", 4, "K")])
 
 
 def test_engines_that_draft_and_that_do_not_get_the_cpp_template_and_its_changed_kernel_is_in_their_keys(
@@ -136,7 +137,7 @@ def test_engines_that_draft_and_that_do_not_get_the_cpp_template_and_its_changed
     full = dict(ENGINE, graph_mode="full")
     drafting, plain = LLM(path, **full).engine.runner, LLM(path, **{**full, "num_speculative_tokens": 0}).engine.runner
     for runner in (drafting, plain):
-        for function in (runner._step, runner._prefill):
+        for function in (*runner._steps.values(), *runner._prefills.values()):
             assert function.options["max_autotune_gemm_backends"] == "CPP" and function.options["freezing"]
             assert "cpp.weight_prepack" not in function.options
             # A package or FX graph compiled from the micro-kernel as torch ships it is not reused for the changed one.
@@ -151,7 +152,7 @@ import json, sys, warnings
 from compiled_spec import LLM
 from compiled_spec.model import decode_attention
 llm = LLM(sys.argv[1], graph_mode="full", max_batch_size=1, max_seq_len=32, warm_up=False, show_progress=False)
-graph = next(graph for graph in llm.engine.warm_up_graphs() if graph[0] == "step")
+graph = next(graph for graph in llm.engine.startup.warm_up_graphs() if graph[0] == "step")
 before = llm.engine.runner.package_path(*graph)
 with warnings.catch_warnings(record=True):
     built = decode_attention.load()

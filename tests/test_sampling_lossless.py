@@ -115,13 +115,13 @@ def test_k2_samples_have_the_target_distribution_as_k0_does(vocab_checkpoint, se
     assert stats.chi2_contingency(table).pvalue > GOOD_P
 
 
-def _resample_from_target(target_probs, draft_probs, draft_tokens, seeds, first_position, valid_drafts=None):
+def _resample_from_target(target_probs, draft_probs, draft_tokens, seeds, first_position, draft_counts=None):
     """Wrong: after a rejection, draws from p instead of norm(max(p - q, 0))."""
-    accepted, _ = _real_verify(target_probs, draft_probs, draft_tokens, seeds, first_position, valid_drafts)
+    accepted, _ = _real_verify(target_probs, draft_probs, draft_tokens, seeds, first_position, draft_counts)
     return accepted, _draw_from_target(target_probs, accepted, seeds, first_position)
 
 
-def _accept_every_draft(target_probs, draft_probs, draft_tokens, seeds, first_position, valid_drafts=None):
+def _accept_every_draft(target_probs, draft_probs, draft_tokens, seeds, first_position, draft_counts=None):
     """Wrong: keeps every draft."""
     accepted = torch.full_like(seeds, draft_tokens.shape[1])
     return accepted, _draw_from_target(target_probs, accepted, seeds, first_position)

@@ -39,7 +39,7 @@ def decode(llm: LLM, prompts, switch_to: StepRunner | None = None):
             engine.admit(queue.popleft())
         if switch_to is not None and len(steps) == SWITCH_AT_STEP:
             assert engine.slots and queue
-            engine.switch_runner(switch_to, [switch_to.warm_up_call(*graph) for graph in engine.warm_up_graphs(switch_to)])
+            engine.startup.switch_runner(switch_to, [switch_to.warm_up_call(*graph) for graph in engine.startup.warm_up_graphs(switch_to)])
         steps.append(engine.step().lanes)
     return [request.output.token_ids for request in requests], steps
 
@@ -61,11 +61,12 @@ def test_a_switch_from_eager_to_full_mid_request_changes_no_token_and_no_accepte
     llm = LLM(path, graph_mode="full", hisparse=hisparse, show_progress=False, **engine_options)
     engine = llm.engine
     full = engine.runner
-    engine.switch_runner(StepRunner(llm.model, engine.state, engine.constants, GraphMode.EAGER))
+    engine.startup.switch_runner(StepRunner(llm.model, engine.state, engine.constants, GraphMode.EAGER,
+                                            full.draft_lengths))
     graphs = graphs_made(full)
     with torch.compiler.set_stance("fail_on_recompile"):
         tokens, steps = decode(llm, prompts, switch_to=full)
-    assert engine.runner is full and engine.switches == [0, SWITCH_AT_STEP]
+    assert engine.runner is full and engine.startup.switches == [0, SWITCH_AT_STEP]
     assert graphs_made(full) == graphs  # the switch loaded what warm-up made; nothing compiled after it
     assert tokens == eager_tokens
     assert steps == eager_steps
@@ -82,30 +83,30 @@ def test_a_first_start_answers_in_eager_while_full_compiles_in_the_background_th
 
     llm = LLM(path, graph_mode="full", background_compile=True, compile_workers=2, show_progress=False, **options)
     engine = llm.engine
-    assert engine.runner.mode == GraphMode.EAGER and engine.background is not None
-    assert engine.background.process is not None  # this engine started the child
-    log = engine.background.log
+    assert engine.runner.mode == GraphMode.EAGER and engine.startup.background is not None
+    assert engine.startup.background.process is not None  # this engine started the child
+    log = engine.startup.background.log
     first = decode(llm, prompts)  # served at once, in eager (the child is still importing torch)
     assert first == reference
-    assert "compiling in the background" in engine.graph_mode_run()
+    assert "compiling in the background" in engine.startup.graph_mode_run()
     follower = LLM(path, graph_mode="full", background_compile=True, show_progress=False, **options).engine
-    assert follower.background.process is None and follower.background.pid == engine.background.pid  # no second child
+    assert follower.startup.background.process is None and follower.startup.background.pid == engine.startup.background.pid  # no second child
 
-    assert engine.poll_background(wait=True, timeout=900) == "ready", engine.background and engine.background.failure()
-    assert engine.runner.mode == GraphMode.FULL and engine.background is None
+    assert engine.startup.poll_background(wait=True, timeout=900) == "ready", engine.startup.background and engine.startup.background.failure()
+    assert engine.runner.mode == GraphMode.FULL and engine.startup.background is None
     ready = re.findall(r"^ready: (\S+) \(pid (\d+), [\d.]+ s\)$", log.read_text(), re.MULTILINE)
-    names = sorted(engine.runner.package_path(*graph).name for graph in engine.warm_up_graphs())
+    names = sorted(engine.runner.package_path(*graph).name for graph in engine.startup.warm_up_graphs())
     assert sorted(name for name, _ in ready) == names  # the step and the prefill graph, one in each process
     assert len({pid for _, pid in ready}) == 2, ready
-    assert engine.graph_mode_run() == f"eager, then full from step {engine.switches[0] + 1}"
+    assert engine.startup.graph_mode_run() == f"eager, then full from step {engine.startup.switches[0] + 1}"
     with torch.compiler.set_stance("fail_on_recompile"):
         assert decode(llm, prompts) == reference
-    assert follower.poll_background(wait=True, timeout=60) == "ready" and follower.runner.mode == GraphMode.FULL
+    assert follower.startup.poll_background(wait=True, timeout=60) == "ready" and follower.runner.mode == GraphMode.FULL
 
     later = LLM(path, graph_mode="full", background_compile=True, show_progress=False, **options)
-    assert later.engine.background is None and later.engine.runner.mode == GraphMode.FULL  # a warm start loads them
+    assert later.engine.startup.background is None and later.engine.runner.mode == GraphMode.FULL  # a warm start loads them
     compiled, loaded = later.engine.runner.packages()
-    assert compiled == [] and len(loaded) == len(later.engine.warm_up_graphs())
+    assert compiled == [] and len(loaded) == len(later.engine.startup.warm_up_graphs())
 
 
 @pytest.mark.parametrize("fault", ["model gone", "other packages"])
@@ -122,25 +123,25 @@ def test_a_failed_background_compile_warns_once_the_engine_keeps_serving_in_eage
     llm = LLM(path, graph_mode="full", background_compile=True, compile_workers=2, show_progress=False, warm_up=False,
               **options)
     if fault == "model gone":
-        llm.engine.llm_arguments["model"] = str(tmp_path / "gone")  # neither compile process can load the model
+        llm.engine.startup.options.llm_arguments["model"] = str(tmp_path / "gone")  # neither compile process can load the model
     else:
-        llm.engine.llm_arguments["max_seq_len"] = 32  # the child's engine keys its packages differently
-    llm.engine.warm_up(show_progress=False)
+        llm.engine.startup.options.llm_arguments["max_seq_len"] = 32  # the child's engine keys its packages differently
+    llm.engine.startup.warm_up(show_progress=False)
     with caplog.at_level(logging.WARNING):
-        assert llm.engine.poll_background(wait=True, timeout=300) == "failed"
+        assert llm.engine.startup.poll_background(wait=True, timeout=300) == "failed"
         assert decode(llm, prompts) == reference
         assert decode(llm, prompts) == reference
     warnings = [record for record in caplog.records if record.levelno >= logging.WARNING]
     assert len(warnings) == 1 and "compiling the full graphs failed" in warnings[0].getMessage()
     why = "gone" if fault == "model gone" else "differs from the one the engine expects"
     assert why in warnings[0].getMessage()  # the child's own error, from its log
-    assert llm.engine.runner.mode == GraphMode.EAGER and llm.engine.background is None
+    assert llm.engine.runner.mode == GraphMode.EAGER and llm.engine.startup.background is None
 
     caplog.clear()
     with caplog.at_level(logging.WARNING):
         later = LLM(path, graph_mode="full", background_compile=True, compile_workers=2, show_progress=False,
                     **options)
-        assert later.engine.background is None  # no child started: nothing competes with decoding for the cores
+        assert later.engine.startup.background is None  # no child started: nothing competes with decoding for the cores
         assert later.engine.runner.mode == GraphMode.EAGER
         assert decode(later, prompts) == reference
     warnings = [record.getMessage() for record in caplog.records if record.levelno >= logging.WARNING]
@@ -168,17 +169,17 @@ def test_a_failed_switch_to_the_full_graphs_warns_once_and_the_engine_keeps_serv
     llm = LLM(path, graph_mode="eager", show_progress=False, **options)
     engine = llm.engine
     eager = engine.runner
-    full = StepRunner(llm.model, engine.state, engine.constants, GraphMode.EAGER)
+    full = StepRunner(llm.model, engine.state, engine.constants, GraphMode.EAGER, eager.draft_lengths)
 
     def load(function, args):
         raise RuntimeError("the package does not load")
 
     monkeypatch.setattr(full, "load", load)
-    engine.background, engine._full_runner = FinishedCompile(), full  # as _start_in_eager leaves them
+    engine.startup.background, engine.startup._full_runner = FinishedCompile(), full  # as _start_in_eager leaves them
     with caplog.at_level(logging.WARNING):
         assert decode(llm, prompts) == reference
         assert decode(llm, prompts) == reference
     warnings = [record for record in caplog.records if record.levelno >= logging.WARNING]
     assert len(warnings) == 1 and "switching to the full graphs failed" in warnings[0].getMessage()
     assert "the package does not load" in warnings[0].getMessage()
-    assert engine.runner is eager and engine.background is None and engine.switches == []
+    assert engine.runner is eager and engine.startup.background is None and engine.startup.switches == []

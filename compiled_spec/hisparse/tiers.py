@@ -11,6 +11,7 @@ indexer key per cached token, written by prefill and by every pass.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
@@ -29,13 +30,25 @@ class LayerTiers(NamedTuple):
 TIER_FIELDS = LayerTiers._fields
 
 
-def allocate_tiers(hot_rows, index_dims, num_slots, capacity, kv_heads, head_dim, dtype, device) -> dict:
-    """DecodeState fields for HiSparse: one entry per tiered layer (main layers, then draft depths)."""
+@dataclass(eq=False)
+class HiSparseState:
+    """HiSparse's part of the decode state (DecodeState.hisparse): one entry per tiered layer, the main layers
+    then the draft depths."""
+
+    index_keys: list[torch.Tensor]  # [slots, capacity, index_dim]
+    hot_keys: list[torch.Tensor]  # [slots, hot_rows + 1, kv_heads, head_dim]
+    hot_values: list[torch.Tensor]
+    hot_positions: list[torch.Tensor]  # [slots, hot_rows + 1] int64, -1 = empty
+    hot_last_used: list[torch.Tensor]  # [slots, hot_rows + 1] int64, LRU clock
+
+
+def allocate_tiers(hot_rows, index_dims, num_slots, capacity, kv_heads, head_dim, dtype, device) -> HiSparseState:
+    """HiSparse's decode state: one entry per tiered layer (main layers, then draft depths)."""
     count = len(index_dims)
     hot_shape = (num_slots, hot_rows + 1, kv_heads, head_dim)
     last_used = torch.zeros(num_slots, hot_rows + 1, dtype=torch.int64, device=device)
     last_used[:, -1] = NEVER_EVICT
-    return dict(
+    return HiSparseState(
         index_keys=[torch.zeros(num_slots, capacity, dim, dtype=dtype, device=device) for dim in index_dims],
         hot_keys=[torch.zeros(hot_shape, dtype=dtype, device=device) for _ in range(count)],
         hot_values=[torch.zeros(hot_shape, dtype=dtype, device=device) for _ in range(count)],
@@ -44,33 +57,20 @@ def allocate_tiers(hot_rows, index_dims, num_slots, capacity, kv_heads, head_dim
     )
 
 
-def main_tiers(state) -> list[LayerTiers] | None:
-    if not state.hot_keys:
-        return None
-    return [layer_tiers(state, i) for i in range(len(state.main_keys))]
+def layer_tiers(hisparse: HiSparseState, index: int) -> LayerTiers:
+    return LayerTiers(*(getattr(hisparse, name)[index] for name in TIER_FIELDS))
 
 
-def draft_tiers(state, depth: int) -> LayerTiers | None:
-    return layer_tiers(state, len(state.main_keys) + depth - 1) if state.hot_keys else None
+def tier_field_names(layers: int) -> list[str]:
+    """DecodeState fields HiSparse writes in a pass over the first `layers` tiered layers (for the state-mutation
+    pass)."""
+    return [f"hisparse.{name}[{i}]" for name in TIER_FIELDS for i in range(layers)]
 
 
-def layer_tiers(state, index: int) -> LayerTiers:
-    return LayerTiers(*(getattr(state, name)[index] for name in TIER_FIELDS))
-
-
-def tier_field_names(state, num_drafts: int | None = None) -> list[str]:
-    """State fields HiSparse writes in a pass that runs num_drafts draft depths (default: all; for the
-    state-mutation pass)."""
-    count = len(state.hot_keys)
-    if num_drafts is not None and count:
-        count = len(state.main_keys) + num_drafts
-    return [f"{name}[{i}]" for name in TIER_FIELDS for i in range(count)]
-
-
-def reset_hot_rows(state, slot: torch.Tensor) -> None:
+def reset_hot_rows(hisparse: HiSparseState, slot: torch.Tensor) -> None:
     """Empties the hot buffers of `slot` [1] (a new request starts with everything cold)."""
-    for index in range(len(state.hot_keys)):
-        tiers = layer_tiers(state, index)
+    for index in range(len(hisparse.hot_keys)):
+        tiers = layer_tiers(hisparse, index)
         rows = tiers.hot_positions.shape[1]
         tiers.hot_keys.index_copy_(0, slot, torch.zeros_like(tiers.hot_keys[slot]))
         tiers.hot_values.index_copy_(0, slot, torch.zeros_like(tiers.hot_values[slot]))

@@ -10,6 +10,7 @@ from torch import nn
 
 from ..config import ModelConfig
 from ..hisparse.attention import tiered_attention
+from ..hisparse.config import HiSparseConfig
 from . import decode_attention
 from .rope import apply_rotary
 
@@ -36,7 +37,7 @@ class PassLayout(NamedTuple):
     slots_are_prefix: bool
     opaque_attention: bool = False
     # HiSparse: the config when this is a sparse decode pass, and the rows' (clamped) positions.
-    hisparse: object = None
+    hisparse: HiSparseConfig | None = None
     positions: torch.Tensor | None = None
 
 

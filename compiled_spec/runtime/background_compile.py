@@ -26,7 +26,7 @@ from torch._inductor.runtime.cache_dir_utils import cache_dir
 
 from ..errors import CompiledSpecError
 
-Graph = tuple[str, int, "int | None"]  # (kind, size, k) as Engine.warm_up_graphs lists them
+Graph = tuple[str, int, int]  # (kind, size, k) as GraphStartup.warm_up_graphs lists them
 
 
 WORKERS_VARIABLE = "COMPILED_SPEC_COMPILE_WORKERS"

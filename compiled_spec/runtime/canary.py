@@ -61,7 +61,7 @@ TRASH_ROW_FIELDS = ("main_keys", "main_values", "draft_keys", "draft_values", "i
 def first_difference(compiled: DecodeState, eager: DecodeState, step: int) -> Divergence | None:
     """The first field (in field order) where the compiled state differs from the eager one, or None."""
     for (name, got), (_, want) in zip(compiled.named_tensors(), eager.named_tensors()):
-        if name.split("[")[0] in TRASH_ROW_FIELDS:
+        if name.split("[")[0].rsplit(".", 1)[-1] in TRASH_ROW_FIELDS:
             got, want = got[:, :-1], want[:, :-1]
         got, want = got.reshape(got.shape[0], -1), want.reshape(want.shape[0], -1)
         unequal = (got != want).nonzero()  # [n, 2]: (lane, element); a KV cache differs in this step's rows only
@@ -114,19 +114,16 @@ class GraphCanary:
         self.next_check = step + interval
 
     @torch.inference_mode()
-    def checked_step(self, engine, batch_size: int, num_drafts: int | None, step: int) -> Divergence | None:
+    def checked_step(self, engine, batch_size: int, k: int, step: int) -> Divergence | None:
         """Runs the engine's step and the eager step on a copy of its state; on a mismatch leaves the eager result
         in the state, logs it and makes the engine fall back. Returns the mismatch, or None."""
         self.checked_steps.append(step)
         begin = time.perf_counter()
         reference = copy_state(engine.state)
         constants = engine.constants._replace(opaque_attention=False)  # eager mode's own step
-        speculative_step(engine.model, reference, constants, batch_size, num_drafts)
+        speculative_step(engine.model, reference, constants, batch_size, k)
         extra = time.perf_counter() - begin
-        if num_drafts is None:
-            engine.runner.step(batch_size)
-        else:
-            engine.runner.step(batch_size, num_drafts)
+        engine.runner.step(batch_size, k)
         begin = time.perf_counter()
         divergence = first_difference(engine.state, reference, step)
         self.extra_seconds = extra + time.perf_counter() - begin
@@ -137,5 +134,5 @@ class GraphCanary:
         logger.warning("compiled-spec: %s; falling back from %s to %s", divergence, engine.runner.mode.value,
                        SAFER_MODE.get(engine.runner.mode, GraphMode.EAGER).value)
         self.divergences.append(divergence)
-        engine.fall_back()
+        engine.startup.fall_back()
         return divergence

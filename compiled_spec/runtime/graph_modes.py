@@ -126,16 +126,16 @@ class StepRunner:
         state: DecodeState,
         constants: StepConstants,
         mode: GraphMode,
+        draft_lengths: tuple[int, ...],
         passes: list | None = None,
         step_function=speculative_step,
         prefill_function=prefill,
-        draft_lengths: tuple[int, ...] = (),
         prefill_width: int | None = None,
         batch_size: int | None = None,
     ):
-        """draft_lengths: the k values below the state's draft slots K that step(batch_size, k) and
-        prefill(..., num_drafts=k) are called with (k = auto admits a request with the k it decodes with); each k
-        of each is a graph of its own, with the writes it makes checked by its own passes. prefill_width: the
+        """draft_lengths: the k values step(batch_size, k) and prefill(..., k) are called with (the state's draft
+        slots K, or with auto every k in 0..K; auto admits a request with the k it decodes with); each k of each is
+        a graph of its own, with the writes it makes checked by its own passes. prefill_width: the
         largest prompt width prefill is called with (the largest prefill bucket); with it, full on CPU compiles
         one prefill package (per k) for every width from PACKAGED_PREFILL_MIN_WIDTH up to it (prefill_widths).
         batch_size: the largest batch step is called with (the largest batch bucket); with it, full on CPU compiles
@@ -151,10 +151,9 @@ class StepRunner:
         graph_state = dataclasses.replace(state) if captures else state
         self.managers: dict[str, SpecPassManager] = {}
         self.bound = (model, graph_state, constants)
-        self._step, self._prefill = step_function, prefill_function
         self._eager_prefill = prefill_function
-        self._steps_by_k: dict[int, object] = {k: step_function for k in draft_lengths}
-        self._prefills_by_k: dict[int, object] = {k: prefill_function for k in draft_lengths}
+        self._steps: dict[int, object] = {k: step_function for k in draft_lengths}  # k -> its step graph
+        self._prefills: dict[int, object] = {k: prefill_function for k in draft_lengths}  # k -> its prefill graph
         # (lowest, highest) prompt width of the one prefill package, or None: a graph per prefill bucket.
         self.prefill_widths: tuple[int, int] | None = None
         # (lowest, highest) batch of the one step package, or None: a graph per batch bucket.
@@ -176,34 +175,35 @@ class StepRunner:
         if options.get("freezing") and batch_size is not None and batch_size >= PACKAGED_STEP_MIN_LARGEST_BATCH:
             self.step_batches = (1, batch_size)
 
-        def compiled(name: str, function, num_drafts: int | None = None):
+        hisparse = constants.attention.config
+
+        def compiled(name: str, function, k: int):
             context = PassContext(
-                graph_name=f"{name} ({mode.value})", state_writes=state_writes(state, num_drafts),
-                options={**options, **({"hisparse": repr(constants.hisparse)} if constants.hisparse else {}),
+                graph_name=f"{name} ({mode.value})", state_writes=state_writes(state, constants, k),
+                options={**options, **({"hisparse": repr(hisparse)} if hisparse else {}),
                          **({"decode_attention": decode_attention.loaded()}
                             if device.type == "cpu" and not options.get("freezing") else {}),
                          "torch_patches": torch_patches.cache_key(),
                          **({"cpu_partitions": cpu_partitions.VERSION}
                             if device.type == "cpu" and options.get("graph_partition") else {})},
             )
-            manager = SpecPassManager(passes if passes is not None else default_passes(constants.hisparse), context)
+            manager = SpecPassManager(passes if passes is not None else default_passes(hisparse), context)
             self.managers[name] = manager
             if options.get("freezing"):
                 dynamic = None
                 if function is prefill_function and self.prefill_widths:
-                    # prefill(slot, prompt_ids [1, width], prompt_len[, k]): one package for every width in range.
+                    # prefill(slot, prompt_ids [1, width], prompt_len, k): one package for every width in range.
                     dynamic = DynamicSize(arg=1, dim=1, low=self.prefill_widths[0], high=self.prefill_widths[1])
                 elif function is step_function and self.step_batches:
-                    # step(lanes [batch][, k]): one package for every batch in range.
+                    # step(lanes [batch], k): one package for every batch in range.
                     function = over_lanes(function)
                     dynamic = DynamicSize(arg=0, dim=0, low=self.step_batches[0], high=self.step_batches[1])
                 return AheadOfTimeCompiled(function, manager, options, model_key, dynamic)
             return torch.compile(function, fullgraph=True, dynamic=False, backend=spec_backend(options, manager))
 
-        self._step, self._prefill = compiled("step", step_function), compiled("prefill", prefill_function)
         # Dynamo keeps one cache per function and tells these apart by backend, so each k has its own passes.
-        self._steps_by_k = {k: compiled(f"step k={k}", step_function, k) for k in draft_lengths}
-        self._prefills_by_k = {k: compiled(f"prefill k={k}", prefill_function, k) for k in draft_lengths}
+        self._steps = {k: compiled(f"step k={k}", step_function, k) for k in draft_lengths}
+        self._prefills = {k: compiled(f"prefill k={k}", prefill_function, k) for k in draft_lengths}
 
     def packages(self) -> tuple[list[str], list[str]]:
         """(compiled, loaded): the ahead-of-time packages (full on CPU) this runner has compiled and loaded."""
@@ -228,27 +228,18 @@ class StepRunner:
         return sum(f.export_traces for f in self._packaged())
 
     def _packaged(self) -> list[AheadOfTimeCompiled]:
-        functions = (self._step, self._prefill, *self._steps_by_k.values(), *self._prefills_by_k.values())
+        functions = (*self._steps.values(), *self._prefills.values())
         return [f for f in functions if isinstance(f, AheadOfTimeCompiled)]
 
-    def _every_slot(self, num_drafts: int | None) -> bool:
-        """Whether num_drafts (None: the default) is every draft slot, K: the step and prefill graphs, not a k's."""
-        return num_drafts is None or num_drafts == self.state.draft_tokens.shape[1]
-
-    def warm_up_call(self, kind: str, size: int, num_drafts: int | None) -> tuple:
+    def warm_up_call(self, kind: str, size: int, k: int) -> tuple:
         """(function, arguments) of the graph warm-up makes for a batch bucket (kind "step") or a prefill bucket
-        (kind "prefill", over slot 0) that drafts num_drafts: None or K (every draft slot), or one of draft_lengths."""
+        (kind "prefill", over slot 0) that drafts k, one of draft_lengths."""
         if kind == "prefill":
             device = self.state.seq_lens.device
             slot = torch.zeros(1, dtype=torch.int64, device=device)
             prompt = torch.zeros(1, size, dtype=torch.int64, device=device)
-            args = (slot, prompt, torch.ones(1, dtype=torch.int64, device=device))
-            if self._every_slot(num_drafts):
-                return self._prefill, args
-            return self._prefills_by_k[num_drafts], (*args, num_drafts)
-        if self._every_slot(num_drafts):
-            return self._step, (self._batch_argument(size),)
-        return self._steps_by_k[num_drafts], (self._batch_argument(size), num_drafts)
+            return self._prefills[k], (slot, prompt, torch.ones(1, dtype=torch.int64, device=device), k)
+        return self._steps[k], (self._batch_argument(size), k)
 
     def batch_for(self, bucket: int, lanes: int) -> int:
         """The batch a step over `lanes` requests runs at: their batch bucket, or (the one step package of full on
@@ -264,9 +255,9 @@ class StepRunner:
             self._lanes[batch_size] = torch.zeros(batch_size, dtype=torch.int64, device=self.state.seq_lens.device)
         return self._lanes[batch_size]
 
-    def package_path(self, kind: str, size: int, num_drafts: int | None) -> Path | None:
+    def package_path(self, kind: str, size: int, k: int) -> Path | None:
         """Where the ahead-of-time package of that graph is kept (full on CPU), else None."""
-        function, args = self.warm_up_call(kind, size, num_drafts)
+        function, args = self.warm_up_call(kind, size, k)
         return function.package_path(self.bound[1], args) if isinstance(function, AheadOfTimeCompiled) else None
 
     def load(self, function, args: tuple) -> None:
@@ -275,26 +266,19 @@ class StepRunner:
             function.prepare(*self.bound, *args)
 
     @torch.inference_mode()
-    def step(self, batch_size: int, num_drafts: int | None = None):
-        """One step that drafts num_drafts tokens: None or K (every draft slot), or one of draft_lengths."""
-        batch = self._batch_argument(batch_size)
-        if self._every_slot(num_drafts):
-            return self._step(*self.bound, batch)
-        return self._steps_by_k[num_drafts](*self.bound, batch, num_drafts)
+    def step(self, batch_size: int, k: int):
+        """One step that drafts k tokens, one of draft_lengths."""
+        return self._steps[k](*self.bound, self._batch_argument(batch_size), k)
 
     @torch.inference_mode()
-    def prefill(self, slot: torch.Tensor, prompt_ids: torch.Tensor, prompt_len: torch.Tensor,
-                num_drafts: int | None = None):
-        """A prefill that drafts num_drafts tokens: None or K (every draft slot), or one of draft_lengths."""
-        if self._every_slot(num_drafts):
-            return self._prefill(*self.bound, slot, prompt_ids, prompt_len)
-        return self._prefills_by_k[num_drafts](*self.bound, slot, prompt_ids, prompt_len, num_drafts)
+    def prefill(self, slot: torch.Tensor, prompt_ids: torch.Tensor, prompt_len: torch.Tensor, k: int):
+        """A prefill that drafts k tokens, one of draft_lengths."""
+        return self._prefills[k](*self.bound, slot, prompt_ids, prompt_len, k)
 
     @torch.inference_mode()
-    def prefill_eager(self, slot: torch.Tensor, prompt_ids: torch.Tensor, prompt_len: torch.Tensor,
-                      num_drafts: int | None = None):
+    def prefill_eager(self, slot: torch.Tensor, prompt_ids: torch.Tensor, prompt_len: torch.Tensor, k: int):
         """A prefill in eager whatever the mode (a prompt longer than every prefill bucket, at its own length)."""
-        return self._eager_prefill(*self.bound, slot, prompt_ids, prompt_len, num_drafts)
+        return self._eager_prefill(*self.bound, slot, prompt_ids, prompt_len, k)
 
 
 def graphs_made(runner: StepRunner) -> int:

@@ -27,7 +27,7 @@ from ..api import LLM
 from ..chat import chat_prompt
 from ..errors import CompiledSpecError
 from ..params import RequestOutput
-from ..text_stream import TextStream
+from ..detokenizer import TextStream
 from .engine_loop import EngineLoop, Pending, QueueFull, ShuttingDown
 from .metrics import ServerMetrics
 from .protocol import (COMPLETIONS_DEFAULT_MAX_TOKENS, APIError, ChatCompletionRequest, CompletionRequest,
@@ -249,7 +249,7 @@ def create_app(llm: LLM, options: ServerOptions) -> FastAPI:
             raise APIError(503, "the engine loop has stopped", type="server_error")
         # What steps run in now: "full", or during a tiered start "eager (full compiling in the background)" and
         # then "eager, then full from step N" (a string the engine thread swaps whole: safe to read here).
-        return {"status": "ok", "graph_mode": loop.engine.graph_mode_run()}
+        return {"status": "ok", "graph_mode": loop.engine.startup.graph_mode_run()}
 
     @app.get("/metrics")
     async def prometheus_metrics():

@@ -1,6 +1,7 @@
-"""The one thread that owns the engine. HTTP handlers hand it requests and aborts through a queue; it admits
-waiting requests into free slots between steps (so a request that arrives mid-decode joins the running
-batch), steps, and sends each request's tokens and its end back to the handler's event loop.
+"""The one thread that owns the engine. HTTP handlers hand it requests and aborts through a queue; it queues them
+on the engine, whose scheduler admits waiting requests into free slots between steps (so a request that arrives
+mid-decode joins the running batch), steps, and sends each request's tokens and its end back to the handler's
+event loop.
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ import logging
 import queue
 import threading
 import time
-from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -61,8 +61,7 @@ class EngineLoop:
         self.metrics = metrics
         self.max_queue = max_queue
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._waiting: deque[Pending] = deque()
-        self._running: dict[int, Pending] = {}
+        self._pending: dict[int, Pending] = {}  # taken from the inbox, not ended: waiting in the engine or running
         self._lock = threading.Lock()
         self._queued = 0  # submitted and not yet admitted (or dropped)
         self._accepting = True
@@ -111,7 +110,7 @@ class EngineLoop:
         # Warm up here, not in the thread that built the engine: CUDA graph trees belong to the thread that
         # recorded them, so graphs must be captured where they are replayed.
         try:
-            self.engine.warm_up()
+            self.engine.startup.warm_up()
         except BaseException as error:
             self._warm_up_error = error
             return
@@ -120,7 +119,7 @@ class EngineLoop:
         try:
             while self._serve_once():
                 pass
-            for pending in [*self._waiting, *self._running.values()]:
+            for pending in list(self._pending.values()):
                 self._abort(pending)
         except BaseException:
             log.exception("the engine loop stopped")
@@ -128,7 +127,7 @@ class EngineLoop:
         finally:  # whatever ended the loop, nobody is left waiting for an answer that cannot come
             with self._lock:
                 self._accepting = False
-            left = [*self._waiting, *self._running.values()]
+            left = list(self._pending.values())
             while True:  # requests submitted before the flag was set (the engine is not touched again)
                 try:
                     kind, value = self._inbox.get_nowait()
@@ -146,14 +145,13 @@ class EngineLoop:
         """One turn of the loop: messages, admissions, a step (or, idle, a background-compile poll). A fault in any of
         them fails the running requests and the loop goes on; False on stop."""
         try:
-            idle = not self._waiting and not self.engine.slots
-            if not self._handle_inbox(block=idle):
+            if not self._handle_inbox(block=not self.engine.has_work()):
                 return False
-            self._admit_waiting()
+            self._ended(self.engine.admit_waiting(self._on_tokens, self._admission_failed, lambda _: self._dequeued()))
             if self.engine.slots:
                 self._step()
             else:  # idle: a tiered start still switches once its background compile is done
-                self.engine.poll_background()
+                self.engine.startup.poll_background()
         except Exception as error:
             self._fail_running("the engine loop failed", error)
         self.metrics.running.set(len(self.engine.slots))
@@ -165,7 +163,7 @@ class EngineLoop:
         messages = []
         if block:  # while a background compile runs, wake up now and then to switch when it is done
             try:
-                messages.append(self._inbox.get(timeout=1.0 if self.engine.background is not None else None))
+                messages.append(self._inbox.get(timeout=1.0 if self.engine.startup.background is not None else None))
             except queue.Empty:
                 pass
         while True:
@@ -177,25 +175,19 @@ class EngineLoop:
             if kind == "stop":
                 return False
             if kind == "add":
-                self._waiting.append(value)
+                self._pending[value.index] = value
+                self.engine.add(value.request)
             elif kind == "abort":
-                pending = self._running.get(value) or next((p for p in self._waiting if p.index == value), None)
+                pending = self._pending.get(value)
                 if pending is not None:
                     self._abort(pending)
         return True
 
-    def _admit_waiting(self) -> None:
-        while self._waiting and self.engine.has_free_slot():
-            pending = self._waiting.popleft()
-            self._dequeued()
-            self._running[pending.index] = pending
-            try:
-                finished = self.engine.admit(pending.request, self._on_tokens)
-            except Exception as error:  # a fault of the engine, not of the request: report it, keep serving
-                log.exception("prefill failed for request %s", pending.request_id)
-                self._fail(pending, f"prefill failed: {error}")
-                continue
-            self._ended(finished)
+    def _admission_failed(self, request: Request, error: Exception) -> None:
+        """A fault of the engine, not of the request: report it, keep serving."""
+        pending = self._pending[request.index]
+        log.exception("prefill failed for request %s", pending.request_id, exc_info=error)
+        self._fail(pending, f"prefill failed: {error}")
 
     def _step(self) -> None:
         try:
@@ -216,7 +208,7 @@ class EngineLoop:
         self._ended(record.finished)
 
     def _on_tokens(self, index: int, token_ids: list[int]) -> None:
-        pending = self._running[index]
+        pending = self._pending[index]
         now = time.monotonic()
         if pending.last_token_at is None:
             self.metrics.time_to_first_token.observe(now - pending.arrived)
@@ -227,26 +219,23 @@ class EngineLoop:
 
     def _ended(self, requests: list[Request]) -> None:
         for request in requests:
-            self._end(self._running[request.index], request.output)
+            self._end(self._pending[request.index], request.output)
 
     def _abort(self, pending: Pending) -> None:
-        if pending.index in self._running:
-            self.engine.abort(pending.index)
-        else:
-            self._waiting.remove(pending)
+        if any(request is pending.request for request in self.engine.waiting):
             self._dequeued()
-            pending.request.output.finish_reason = "abort"
+        self.engine.abort(pending.index)
         self._end(pending, pending.request.output)
 
     def _fail_running(self, what: str, error: Exception) -> None:
-        running = list(self._running.values())
+        running = [self._pending[request.index] for request in self.engine.slots]
         log.error("%s; failing the %d running requests (%s)", what, len(running),
                   ", ".join(p.request_id for p in running) or "none", exc_info=error)
         for pending in running:
             self._fail(pending, f"{what}: {error}")
 
     def _fail(self, pending: Pending, message: str) -> None:
-        if pending.index in self._running:
+        if any(request is pending.request for request in self.engine.slots):
             try:
                 self.engine.abort(pending.index)
             except Exception:  # the slot stays taken, but the request still gets its answer
@@ -256,7 +245,7 @@ class EngineLoop:
         self._end(pending, output, error=message)
 
     def _end(self, pending: Pending, output: RequestOutput, error: str | None = None) -> None:
-        self._running.pop(pending.index, None)
+        self._pending.pop(pending.index, None)
         pending.ended = True
         self.metrics.record_finished(output, time.monotonic() - pending.arrived)
         pending.send("error" if error else "done", error or output)

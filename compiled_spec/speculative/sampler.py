@@ -71,12 +71,12 @@ def verify_drafts(
     draft_tokens: torch.Tensor,
     seeds: torch.Tensor,
     first_position: torch.Tensor,
-    valid_drafts: torch.Tensor | None = None,
+    draft_counts: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rejection sampling over k drafts.
 
     target_probs [B, k+1, V] at the draft positions plus one; draft_probs [B, k, V]; draft_tokens [B, k];
-    first_position [B]: position of the first draft token; valid_drafts [B] (default k): the row's drafts at
+    first_position [B]: position of the first draft token; draft_counts [B] (default k): the row's drafts at
     and past this index are rejected, so the row is verified exactly as if it had drafted only that many.
     Returns (accepted count n [B], next token [B]): the token drawn at index n, from the residual
     norm(max(p - q, 0)) after a rejection or from p when all valid drafts were accepted.
@@ -90,8 +90,8 @@ def verify_drafts(
         q_draft = draft_probs.gather(-1, draft_tokens[:, :, None])[..., 0]
         u = rng.uniform(rng.stream_key(seeds[:, None], positions[:, :k], rng.ACCEPT))
         accepted = u * q_draft < p_draft
-        if valid_drafts is not None:
-            accepted = accepted & (offsets[None, :k] < valid_drafts[:, None])
+        if draft_counts is not None:
+            accepted = accepted & (offsets[None, :k] < draft_counts[:, None])
         n = accepted.long().cumprod(1).sum(1)
         q_padded = F.pad(draft_probs, (0, 0, 0, 1))
     else:
@@ -100,8 +100,8 @@ def verify_drafts(
     pick = n[:, None, None].expand(batch, 1, vocab)
     p_n = target_probs.gather(1, pick)[:, 0]
     q_n = q_padded.gather(1, pick)[:, 0]
-    if valid_drafts is not None:  # n reached the valid count: no draft there, the token comes from p
-        q_n = torch.where((n < valid_drafts)[:, None], q_n, 0.0)
+    if draft_counts is not None:  # n reached the valid count: no draft there, the token comes from p
+        q_n = torch.where((n < draft_counts)[:, None], q_n, 0.0)
     residual = (p_n - q_n).clamp(min=0)
     total = residual.sum(-1, keepdim=True)
     residual = torch.where(total > 0, residual / total.clamp(min=1e-30), p_n)

@@ -7,13 +7,13 @@ frees a request, between steps. Slot i is batch row i: active requests occupy sl
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields, is_dataclass
 
 import torch
 
 from ..config import ModelConfig
 from ..hisparse.host_pool import pinned_host_caches
-from ..hisparse.tiers import allocate_tiers
+from ..hisparse.tiers import HiSparseState, allocate_tiers
 
 
 @dataclass(eq=False)
@@ -42,17 +42,14 @@ class DecodeState:
     step_tokens: torch.Tensor  # [slots, K+1] int64
     step_emitted: torch.Tensor  # [slots] int64
     step_accepted: torch.Tensor  # [slots] int64
+    step_verified: torch.Tensor  # [slots] int64: drafts the last step verified (its k, or fewer the slot held)
     # KV caches [slots, capacity, kv_heads, head_dim]: one per main layer, one per draft depth.
     main_keys: list[torch.Tensor]
     main_values: list[torch.Tensor]
     draft_keys: list[torch.Tensor]
     draft_values: list[torch.Tensor]
-    # HiSparse tiers (compiled_spec/hisparse/tiers.py), one per main layer then one per draft depth; empty when off.
-    index_keys: list[torch.Tensor] = field(default_factory=list)  # [slots, capacity, index_dim]
-    hot_keys: list[torch.Tensor] = field(default_factory=list)  # [slots, hot_rows + 1, kv_heads, head_dim]
-    hot_values: list[torch.Tensor] = field(default_factory=list)
-    hot_positions: list[torch.Tensor] = field(default_factory=list)  # [slots, hot_rows + 1] int64, -1 = empty
-    hot_last_used: list[torch.Tensor] = field(default_factory=list)  # [slots, hot_rows + 1] int64, LRU clock
+    # HiSparse's tiers (compiled_spec/hisparse/tiers.py), one per main layer then one per draft depth; None when off.
+    hisparse: HiSparseState | None = None
 
     @property
     def num_slots(self) -> int:
@@ -68,31 +65,19 @@ class DecodeState:
         return self.cache_capacity - 1
 
     def named_tensors(self) -> list[tuple[str, torch.Tensor]]:
-        """Every tensor with the field it belongs to: ('seq_lens', ...), ('main_keys[0]', ...), in field order."""
-        out = []
-        for state_field in fields(self):
-            value = getattr(self, state_field.name)
-            if isinstance(value, list):
-                out += [(f"{state_field.name}[{i}]", tensor) for i, tensor in enumerate(value)]
-            else:
-                out.append((state_field.name, value))
-        return out
+        """Every tensor with the field it belongs to: ('seq_lens', ...), ('main_keys[0]', ...),
+        ('hisparse.hot_keys[0]', ...), in field order."""
+        return _named_tensors(self)
 
     def tensors(self) -> list[torch.Tensor]:
         return [tensor for _, tensor in self.named_tensors()]
 
     def with_tensors(self, tensors: list[torch.Tensor]) -> "DecodeState":
         """A state of the same layout over `tensors`, given in tensors() order (the inverse of tensors())."""
-        values, at = {}, 0
-        for state_field in fields(self):
-            value = getattr(self, state_field.name)
-            count = len(value) if isinstance(value, list) else 1
-            chunk = list(tensors[at:at + count])
-            values[state_field.name] = chunk if isinstance(value, list) else chunk[0]
-            at += count
+        state, at = _with_tensors(self, tensors, 0)
         if at != len(tensors):
             raise ValueError(f"{len(tensors)} tensors for a state of {at}")
-        return DecodeState(**values)
+        return state
 
     @classmethod
     def allocate(
@@ -100,7 +85,7 @@ class DecodeState:
         config: ModelConfig,
         num_slots: int,
         max_seq_len: int,
-        num_speculative_tokens: int,
+        max_drafts: int,
         dtype: torch.dtype,
         device: str | torch.device,
         hot_rows: int | None = None,
@@ -108,10 +93,10 @@ class DecodeState:
         cold_dtype: torch.dtype | None = None,
         pinned_cold_pool: bool = False,
     ) -> "DecodeState":
-        """num_speculative_tokens: K, the draft slots (a step may draft fewer). hot_rows and index_dims (one per main layer, then per draft depth) turn on the HiSparse tiers; the
-        KV caches are then their cold pool, in cold_dtype (default: dtype), and with pinned_cold_pool (CUDA) in
-        pinned host memory."""
-        k = num_speculative_tokens
+        """max_drafts: K, the draft slots (a step may draft fewer). hot_rows and index_dims (one per main layer, then
+        per draft depth) turn on the HiSparse tiers; the KV caches are then their cold pool, in cold_dtype (default:
+        dtype), and with pinned_cold_pool (CUDA) in pinned host memory."""
+        k = max_drafts
         # Rows up to position max_seq_len - 1 + k are written by a step; one more is the trash position.
         capacity = max_seq_len + k + 1
         cache_shape = (num_slots, capacity, config.num_key_value_heads, config.head_dim)
@@ -143,12 +128,43 @@ class DecodeState:
             step_tokens=zeros(num_slots, k + 1),
             step_emitted=zeros(num_slots),
             step_accepted=zeros(num_slots),
+            step_verified=zeros(num_slots),
             main_keys=caches(config.num_hidden_layers),
             main_values=caches(config.num_hidden_layers),
             draft_keys=caches(k),
             draft_values=caches(k),
-            **(allocate_tiers(hot_rows, index_dims, num_slots, capacity, *cache_shape[2:], dtype, device) if hot_rows else {}),
+            hisparse=allocate_tiers(hot_rows, index_dims, num_slots, capacity, *cache_shape[2:], dtype, device)
+            if hot_rows else None,
         )
+
+
+def _named_tensors(holder, prefix: str = "") -> list[tuple[str, torch.Tensor]]:
+    out = []
+    for holder_field in fields(holder):
+        name, value = prefix + holder_field.name, getattr(holder, holder_field.name)
+        if is_dataclass(value):
+            out += _named_tensors(value, f"{name}.")
+        elif isinstance(value, list):
+            out += [(f"{name}[{i}]", tensor) for i, tensor in enumerate(value)]
+        elif value is not None:
+            out.append((name, value))
+    return out
+
+
+def _with_tensors(holder, tensors: list[torch.Tensor], at: int):
+    """A copy of holder (a dataclass of tensors, lists of them and dataclasses of those) over tensors[at:], and
+    where its tensors end."""
+    values = {}
+    for holder_field in fields(holder):
+        value = getattr(holder, holder_field.name)
+        if is_dataclass(value):
+            value, at = _with_tensors(value, tensors, at)
+        elif isinstance(value, list):
+            value, at = list(tensors[at:at + len(value)]), at + len(value)
+        elif value is not None:
+            value, at = tensors[at], at + 1
+        values[holder_field.name] = value
+    return type(holder)(**values), at
 
 
 def move_slot(state: DecodeState, source: int, target: int) -> None:

@@ -22,10 +22,10 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from ..hisparse.tiers import draft_tiers, main_tiers, mirror_new_rows, reset_hot_rows, tier_field_names
 from ..model.causal_lm import CausalLM
 from ..model.layers import PassLayout
 from . import rng
+from .attention_backend import AttentionBackend, DenseAttention
 from .sampler import race_sample, sampling_probs, verify_drafts
 from .state import DecodeState
 
@@ -38,7 +38,7 @@ class StepConstants(NamedTuple):
     eos_ids: torch.Tensor  # [num_eos] int64
     max_seq_len: int
     opaque_attention: bool = False
-    hisparse: object = None  # HiSparseConfig: decode passes attend sparsely over tiered caches
+    attention: AttentionBackend = DenseAttention()  # HiSparseAttention: decode passes attend over tiered caches
 
 
 def make_layout(
@@ -69,32 +69,36 @@ def make_layout(
         sin=constants.rope_sin[clamped],
         slots_are_prefix=slots_are_prefix,
         opaque_attention=constants.opaque_attention,
-        hisparse=constants.hisparse if sparse else None,
+        hisparse=constants.attention.config if sparse else None,
         positions=clamped,
     )
 
 
-def draft_slots(state: DecodeState) -> int:
-    """K: the most drafts a step over this state can make."""
+def max_drafts(state: DecodeState) -> int:
+    """K: the state's draft slots, the most drafts a step over it can make."""
     return state.draft_tokens.shape[1]
 
 
-def state_writes(state: DecodeState, num_drafts: int | None = None) -> tuple[str, ...]:
-    """The DecodeState fields the step or prefill drafting num_drafts (default: every slot) updates (checked by
-    passes/state_mutation)."""
-    slots = draft_slots(state)
-    k = depths = slots if num_drafts is None else num_drafts
-    names = ["pending_tokens", "seq_lens", "generated", "done", "step_tokens", "step_emitted", "step_accepted"]
+def check_draft_length(state: DecodeState, k: int) -> None:
+    if not 0 <= k <= max_drafts(state):
+        raise ValueError(f"k={k} is out of range; this state has 0..{max_drafts(state)} draft slots")
+
+
+def state_writes(state: DecodeState, constants: StepConstants, k: int) -> tuple[str, ...]:
+    """The DecodeState fields the step or prefill drafting k updates (checked by passes/state_mutation)."""
+    depths = k
+    names = ["pending_tokens", "seq_lens", "generated", "done", "step_tokens", "step_emitted", "step_accepted",
+             "step_verified"]
     names += [f"main_keys[{i}]" for i in range(len(state.main_keys))]
     names += [f"main_values[{i}]" for i in range(len(state.main_values))]
-    if slots > 0:
+    if max_drafts(state) > 0:
         names.append("draft_counts")
     if k > 0:
         names += ["draft_tokens", "draft_probs"]
         names += [f"draft_keys[{i}]" for i in range(depths)] + [f"draft_values[{i}]" for i in range(depths)]
     if depths > 1:
         names.append("carry_hidden")
-    return tuple(names + tier_field_names(state, depths))
+    return tuple(names + constants.attention.state_writes(state, depths))
 
 
 def _row_params(state: DecodeState, rows: torch.Tensor):
@@ -148,14 +152,11 @@ def _draft_chain(
         layout = make_layout(state, constants, slot_ids, positions, writable, slots_are_prefix, sparse, attended)
         if depth > 1:
             previous = _prepend_row(carry_hidden[:, depth - 2 : depth - 1], previous)
-        tiers = draft_tiers(state, depth)
+        tiers = constants.attention.draft_tiers(state, depth)
         hidden = model.mtp_hidden_states(
             depth, tokens, previous, layout, state.draft_keys[depth - 1], state.draft_values[depth - 1], tiers
         )
-        if layout.hisparse is not None and layout.hisparse.draft_mirror:
-            # The draft mirror: this depth's new rows reach its cold pool before any later pass reads them.
-            mirror_new_rows(tiers, state.draft_keys[depth - 1], state.draft_values[depth - 1], slot_ids,
-                            layout.write_index, state.trash_position)
+        constants.attention.after_draft_pass(state, tiers, depth, layout, slot_ids)
         pick = (producing_index + depth - 1)[:, None, None].expand(batch, 1, hidden.shape[-1])
         logits = model.draft_logits(hidden.gather(1, pick)[:, 0])
         depth_probs = sampling_probs(logits, temperature, top_k, top_p)
@@ -224,15 +225,11 @@ def _write_leading(buffer: torch.Tensor, rows: torch.Tensor, value: torch.Tensor
     buffer.index_put_((rows[:, None], columns[None, :]), value.to(buffer.dtype))
 
 
-def speculative_step(
-    model: CausalLM, state: DecodeState, constants: StepConstants, batch_size: int, num_drafts: int | None = None
-) -> None:
-    """One step for slots 0..batch_size-1 that verifies and then drafts num_drafts tokens (default: every draft
-    slot); slots marked done are left unchanged."""
-    slots = draft_slots(state)
-    k = slots if num_drafts is None else num_drafts
-    if not 0 <= k <= slots:
-        raise ValueError(f"num_drafts={k} is out of range; this state has 0..{slots} draft slots")
+def speculative_step(model: CausalLM, state: DecodeState, constants: StepConstants, batch_size: int, k: int) -> None:
+    """One step for slots 0..batch_size-1 that verifies the drafts each slot holds (at most k) and then drafts k
+    tokens; slots marked done are left unchanged."""
+    check_draft_length(state, k)
+    slots = max_drafts(state)
     rows = torch.arange(batch_size, device=state.seq_lens.device)
     seq_lens = state.seq_lens[:batch_size]
     active = ~state.done[:batch_size]
@@ -247,16 +244,13 @@ def speculative_step(
     offsets = torch.arange(k + 1, device=rows.device)
     positions = first_row[:, None] + offsets
     layout = make_layout(state, constants, rows, positions, writable, True, sparse=True)
-    tiers = main_tiers(state)
+    tiers = constants.attention.main_tiers(state)
     hidden = model.hidden_states(verify_tokens, layout, state.main_keys, state.main_values, tiers)
-    if layout.hisparse is not None:
-        for layer, layer_tiers in enumerate(tiers):
-            mirror_new_rows(layer_tiers, state.main_keys[layer], state.main_values[layer], rows,
-                            layout.write_index, state.trash_position)
+    constants.attention.after_main_pass(state, tiers, layout, rows)
     target_probs = sampling_probs(model.logits(hidden), temperature, top_k, top_p)
-    valid = state.draft_counts[:batch_size].clamp(max=k) if slots > 0 else None
+    verified = state.draft_counts[:batch_size].clamp(max=k) if slots > 0 else None
     accepted, next_token = verify_drafts(target_probs, state.draft_probs[:batch_size, :k], drafts, seeds, seq_lens,
-                                         valid)
+                                         verified)
 
     # Emitted this step: d_1..d_n, then the residual/bonus token at index n.
     padded_drafts = F.pad(drafts, (0, 1))
@@ -301,6 +295,7 @@ def speculative_step(
     _write_rows(state.step_tokens, rows, F.pad(emitted_tokens, (0, slots - k)))
     _write_rows(state.step_emitted, rows, count)
     _write_rows(state.step_accepted, rows, torch.where(active, accepted, 0))
+    _write_rows(state.step_verified, rows, torch.where(active, verified, 0) if slots > 0 else torch.zeros_like(count))
 
 
 def prefill(
@@ -310,22 +305,21 @@ def prefill(
     slot: torch.Tensor,
     prompt_ids: torch.Tensor,
     prompt_len: torch.Tensor,
-    num_drafts: int | None = None,
+    k: int,
 ) -> None:
     """Fills slot [1] from prompt_ids [1, T] (the first prompt_len [1] tokens are real) and samples the
-    first token and num_drafts drafts (default: every draft slot). k = auto admits with the k it decodes with:
-    draft depths past it then hold no rows of this prompt (0: a plain prefill, which runs no draft depth).
-    Sampling parameters and limits of the slot are set beforehand."""
-    slots = draft_slots(state)
-    k = slots if num_drafts is None else num_drafts
-    if not 0 <= k <= slots:
-        raise ValueError(f"num_drafts={k} is out of range; this state has 0..{slots} draft slots")
+    first token and k drafts. k = auto admits with the k it decodes with: draft depths past it then hold no rows
+    of this prompt (0: a plain prefill, which runs no draft depth). Sampling parameters and limits of the slot are
+    set beforehand."""
+    check_draft_length(state, k)
+    slots = max_drafts(state)
     width = prompt_ids.shape[1]
     positions = torch.arange(width, device=prompt_ids.device)[None, :]
     real = positions < prompt_len[:, None]
     layout = make_layout(state, constants, slot, positions, real, False, attended=width)
-    reset_hot_rows(state, slot)
-    hidden = model.hidden_states(prompt_ids, layout, state.main_keys, state.main_values, main_tiers(state))
+    constants.attention.reset_slot(state, slot)
+    hidden = model.hidden_states(prompt_ids, layout, state.main_keys, state.main_values,
+                                 constants.attention.main_tiers(state))
     last = (prompt_len - 1)[:, None, None].expand(1, 1, hidden.shape[-1])
     temperature, top_k, top_p = _row_params(state, slot)
     probs = sampling_probs(model.logits(hidden.gather(1, last)[:, 0]), temperature, top_k, top_p)
@@ -369,3 +363,4 @@ def prefill(
     _write_rows(state.step_tokens, slot, step_tokens)
     _write_rows(state.step_emitted, slot, count)
     _write_rows(state.step_accepted, slot, torch.zeros_like(count))
+    _write_rows(state.step_verified, slot, torch.zeros_like(count))

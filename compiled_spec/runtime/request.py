@@ -1,0 +1,34 @@
+"""A request as the engine holds it, and the record of one step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable
+
+from ..detokenizer import IncrementalDetokenizer
+from ..params import RequestOutput, SamplingParams
+
+if TYPE_CHECKING:
+    from .canary import Divergence
+
+TokenCallback = Callable[[int, list[int]], None]
+
+
+@dataclass
+class Request:
+    index: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    seed: int
+    output: RequestOutput
+    detokenizer: IncrementalDetokenizer | None = None  # with stop strings: the text so far, to find them in
+
+
+@dataclass
+class StepRecord:
+    finished: list[Request]  # requests this step finished; their slots are free again
+    lanes: list[tuple[int, int]]  # per lane: (request index, accepted drafts)
+    seconds: float  # wall time, the host copy of the step's results included
+    num_drafts: int = 0  # k: the drafts this step made for the next one
+    verified: list[int] | None = None  # per lane: drafts it verified (fewer than k after a step with a smaller k)
+    divergence: Divergence | None = None  # the canary checked this step and found the compiled one wrong
