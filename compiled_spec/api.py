@@ -56,8 +56,8 @@ class LLM:
     ):
         """num_speculative_tokens: drafts per step (k), or "auto": before each step, the k in
         0..max_speculative_tokens with the most expected tokens per second, from step times measured at warm-up
-        and the running acceptance. Default: 0 for a model without MTP modules, else 3 (also smollm2-135m's own
-        with the modules shipped for it: its fastest k in the benchmark). mtp: a directory of MTP modules for the
+        and the running acceptance. Default: 0 for a model without MTP modules, else 3 (smollm2-135m with the
+        modules shipped for it: 2, its fastest fixed k in the benchmark). mtp: a directory of MTP modules for the
         base model (compiled-spec train-mtp writes one); a named model uses the modules shipped for it.
         draft_vocab_size: drafts sample over the modules' most frequent tokens (default: a named model's own with
         the modules shipped for it, 8192 for smollm2-135m, else the size they were trained with; the vocabulary

@@ -61,7 +61,7 @@ def test_an_mtp_directory_with_other_weights_or_none_is_refused(tmp_path, tiny_c
 def test_a_named_models_own_default_k_comes_only_with_its_shipped_modules(tmp_path, monkeypatch):
     gguf = model_path("smollm2-135m")
     shipped = shipped_mtp_modules(gguf)
-    assert shipped == SHIPPED_MTP_ROOT / "smollm2-135m" and MODELS["smollm2-135m"].num_speculative_tokens == 3
+    assert shipped == SHIPPED_MTP_ROOT / "smollm2-135m" and MODELS["smollm2-135m"].num_speculative_tokens == 2
     # Its own k made unlike the default of 3 for any other modules, so that the two are told apart.
     monkeypatch.setitem(MODELS, "smollm2-135m", dataclasses.replace(MODELS["smollm2-135m"], num_speculative_tokens=1))
     assert default_num_speculative_tokens(gguf, shipped, 2) == 1
