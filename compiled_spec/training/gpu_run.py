@@ -28,7 +28,8 @@ def scaled_config(config: dict, text_scale: int) -> dict:
     through that many times the fresh rounds (each repeats no earlier prompt); the earlier prompts stay first."""
     corpus = config["corpus"]
     if text_scale > 1:
-        corpus["prompts"] = {**corpus["prompts"], "prose": corpus["prompts"]["prose"] * text_scale}
+        if "prose" in corpus["prompts"]:
+            corpus["prompts"] = {**corpus["prompts"], "prose": corpus["prompts"]["prose"] * text_scale}
         corpus["fresh_code_rounds"] = corpus.get("fresh_code_rounds", 1) * text_scale
         if not corpus.get("fresh_code_prompts", 0) + corpus.get("fresh_function_prompts", 0):
             corpus["fresh_code_prompts"] = corpus["prompts"]["code"]
