@@ -73,6 +73,11 @@ def continue_batch(base, prompts: list[list[int]], length: int) -> dict[str, tor
             "hidden": hidden.gather(1, columns[:, :, None].expand(-1, -1, hidden.shape[-1]))}
 
 
+def generation_batch(batch_size: int, shard_windows: int) -> int:
+    """Prompts a batch of generation: batch_size rounded down to whole shards, at least one."""
+    return max(1, batch_size // shard_windows) * shard_windows
+
+
 def sha256_file(path: Path) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as handle:
@@ -136,8 +141,8 @@ def self_generated_windows(base, prompts: list[list[int]], length: int, batch_si
         raise ValueError(f"corpus.shard_windows={shard_windows} windows of {length} tokens are "
                          f"{shard_windows * window_bytes / 2**20:.1f} MiB a shard, over 16 MiB; at most "
                          f"{(SHARD_LIMIT_BYTES - (1 << 16)) // window_bytes}")
-    shards_per_batch = max(1, batch_size // shard_windows)
-    generation = {**generation, "generate_batch_size": shards_per_batch * shard_windows}
+    generation = {**generation, "generate_batch_size": generation_batch(batch_size, shard_windows)}
+    shards_per_batch = generation["generate_batch_size"] // shard_windows
     shard_dir.mkdir(parents=True, exist_ok=True)
     num_shards = -(-len(prompts) // shard_windows)
     parts, records = [None] * num_shards, [None] * num_shards

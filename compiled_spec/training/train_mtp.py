@@ -32,7 +32,7 @@ from ..tokenizer import load_tokenizer
 from . import loop
 from .mtp_corpus import DEF_LINE, DOMAINS, chat_prompts, code_texts, line_prompts, prose_texts
 from .mtp_reference import DECODER_CLASSES, export_mtp_state_dict, mtp_chain, mtp_layers
-from .self_generated import checkpoint_digest, records_digest, self_generated_windows
+from .self_generated import checkpoint_digest, generation_batch, records_digest, self_generated_windows
 
 DEFAULT_CONFIG = Path(__file__).parent / "train_mtp_config.json"
 IGNORE = -100
@@ -298,17 +298,17 @@ def self_generated_data(config: dict, base, tokenizer, base_path: Path, work_dir
     work_dir/shards/<domain>_<split> made as corpus.generate_dtype says, and the data's provenance record for the
     training log."""
     corpus, length = config["corpus"], config["training"]["sequence_length"]
+    shard_windows = corpus.get("shard_windows", 32)
     dtype = dtype_named(config, "corpus", "generate_dtype")
-    generator = base if dtype == torch.float32 else copy.deepcopy(base).to(dtype)
+    generating = base if dtype == torch.float32 else copy.deepcopy(base).to(dtype)
     generation = {"base_model_sha256": checkpoint_digest(base_path), "seed": config["seed"],
                   "dtype": str(dtype).removeprefix("torch.")}
     train_parts, held_out, sets = [], {}, {}
     for domain, (train_prompts, held_out_prompts) in domain_prompts(config, tokenizer, work_dir).items():
         for split, prompts in (("train", train_prompts), ("held_out", held_out_prompts)):
             data, records = self_generated_windows(
-                generator, prompts, length, corpus["generate_batch_size"], work_dir / "shards" / f"{domain}_{split}",
-                f"base model continues {domain} prompts ({split.replace('_', ' ')})", generation,
-                corpus.get("shard_windows", 32))
+                generating, prompts, length, corpus["generate_batch_size"], work_dir / "shards" / f"{domain}_{split}",
+                f"base model continues {domain} prompts ({split.replace('_', ' ')})", generation, shard_windows)
             if split == "train":
                 train_parts.append(data)
             else:
@@ -317,8 +317,8 @@ def self_generated_data(config: dict, base, tokenizer, base_path: Path, work_dir
                 "shards": len(records), "windows": sum(r["windows"] for r in records),
                 "seeds": sorted({r["seed"] for r in records}), "records_sha256": records_digest(records)}
     provenance = {"base_model": {"path": str(base_path), "sha256": generation["base_model_sha256"]},
-                  "dtype": generation["dtype"], "generate_batch_size": records[0]["generate_batch_size"],
-                  "sequence_length": length, "shard_windows": corpus.get("shard_windows", 32), "sets": sets}
+                  "dtype": generation["dtype"], "sequence_length": length, "shard_windows": shard_windows,
+                  "generate_batch_size": generation_batch(corpus["generate_batch_size"], shard_windows), "sets": sets}
     return train_parts, held_out, provenance
 
 
