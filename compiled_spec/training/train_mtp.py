@@ -262,8 +262,8 @@ class MtpTraining:
         loop.plot_loss_curve(log["history"], staging / "loss_curve.png", names, f"MTP modules on {self.config['model']}",
                              ylabel="cross-entropy to the base model's greedy token")
         output_dir.mkdir(parents=True, exist_ok=True)
-        for stale in output_dir.glob("*.safetensors"):  # the engine reads every one of them
-            stale.unlink()
+        for stale in [*output_dir.glob(MTP_WEIGHTS_NAME), *output_dir.glob("mtp-*-of-*.safetensors")]:
+            stale.unlink()  # a weights file of an earlier export: the engine reads every *.safetensors here
         for path in staging.iterdir():
             os.replace(path, output_dir / path.name)
         staging.rmdir()
