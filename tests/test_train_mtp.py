@@ -84,8 +84,8 @@ def test_train_mtp_learns_the_base_models_predictions_resumes_and_attaches(tmp_p
 
 def test_self_generated_windows_read_as_decoding_reads_them_and_resume(tmp_path):
     """Each window is a prompt and the base model's greedy continuation, with the hidden states a teacher-forced pass
-    gives, whatever the padding of its batch. A cache of the first prompts is kept: more prompts run the base
-    model only on the new ones, and the result equals a cache made from scratch. Another base key starts over."""
+    gives, whatever the padding of its batch. Shards of the first prompts are kept: more prompts run the base
+    model only on the new ones, and the result equals shards made from scratch. Another base model starts over."""
     import torch
 
     from compiled_spec.tokenizer import load_tokenizer
@@ -114,31 +114,37 @@ def test_self_generated_windows_read_as_decoding_reads_them_and_resume(tmp_path)
     counted = []  # prompts the base model prefilled
     base.model.embed_tokens.register_forward_hook(
         lambda module, args, out: counted.append(args[0].shape[0]) if args[0].shape[1] > 1 else None)
-    cache = tmp_path / "generated.pt"
-    self_generated_windows(base, prompts[:3], length, 2, cache, "first", "key")
+    generation = {"base_model_sha256": "key", "seed": 0, "dtype": "float32"}
+
+    def windows(prompts, length, shards, key="key"):
+        data, _ = self_generated_windows(base, prompts, length, 2, shards, "test",
+                                         {**generation, "base_model_sha256": key}, 1)
+        return data
+
+    shards = tmp_path / "shards"
+    windows(prompts[:3], length, shards)
     assert sum(counted) == 3
-    grown = self_generated_windows(base, prompts, length, 2, cache, "grown", "key")
-    assert sum(counted) == 5  # only the two new prompts ran
-    fresh = self_generated_windows(base, prompts, length, 2, tmp_path / "fresh.pt", "fresh", "key")
+    grown = windows(prompts, length, shards)
+    assert sum(counted) == 6  # only the batches with a new prompt ran: prompts 2 (again) to 4
+    fresh = windows(prompts, length, tmp_path / "fresh")
     assert torch.equal(grown["ids"], fresh["ids"]) and torch.equal(grown["greedy"], fresh["greedy"])
     torch.testing.assert_close(grown["hidden"], fresh["hidden"], rtol=1e-5, atol=1e-5)
-    assert torch.equal(self_generated_windows(base, prompts[:2], length, 2, cache, "fewer", "key")["ids"],
-                       fresh["ids"][:2])
-    assert sum(counted) == 10
+    assert torch.equal(windows(prompts[:2], length, shards)["ids"], fresh["ids"][:2])
+    assert sum(counted) == 11
     # Shorter windows are cut from the longer cached ones, without the base model, and equal generating them.
     shorter = max(len(p) for p in prompts) + 6
-    cut = self_generated_windows(base, prompts, shorter, 2, cache, "shorter", "key")
-    assert sum(counted) == 10
-    fresh_short = self_generated_windows(base, prompts, shorter, 2, tmp_path / "fresh_short.pt", "fresh", "key")
-    assert sum(counted) == 15
+    cut = windows(prompts, shorter, shards)
+    assert sum(counted) == 11
+    fresh_short = windows(prompts, shorter, tmp_path / "fresh_short")
+    assert sum(counted) == 16
     assert cut["ids"].shape == (len(prompts), shorter)
     assert torch.equal(cut["ids"], fresh_short["ids"]) and torch.equal(cut["greedy"], fresh_short["greedy"])
     torch.testing.assert_close(cut["hidden"], fresh_short["hidden"], rtol=1e-5, atol=1e-5)
-    # With no prompt to add, the cache is not written: it still holds the longer windows.
-    assert torch.equal(self_generated_windows(base, prompts, length, 2, cache, "longer", "key")["ids"], fresh["ids"])
-    assert sum(counted) == 15
-    self_generated_windows(base, prompts, length, 2, cache, "another base", "another key")
-    assert sum(counted) == 20
+    # The shards still hold the longer windows.
+    assert torch.equal(windows(prompts, length, shards)["ids"], fresh["ids"])
+    assert sum(counted) == 16
+    windows(prompts, length, shards, key="another key")
+    assert sum(counted) == 21
 
 
 def test_function_prompts_end_with_a_def_line_and_grow_stably(tmp_path):

@@ -145,8 +145,9 @@ def run(task: Task, training: dict, config: dict, work_dir: Path, log: dict, res
         generator.set_state(state["batch_generator"])
         torch.set_rng_state(state["torch_rng"])
         random.setstate(state["python_rng"])
-        start_step, log = state["step"], state["log"]
-        log["config"] = config
+        # The config and the data's provenance are this run's; the history is the checkpoint's.
+        start_step, log = state["step"], {**state["log"], **{key: log[key] for key in ("config", "data_provenance")
+                                                             if key in log}}
 
     last_step = training["max_steps"] if measure_steps is None else start_step + measure_steps
     task.model.train()

@@ -9,12 +9,20 @@ prediction. One pass makes all three, so no second teacher pass is needed.
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
 from tqdm import tqdm
 
-from .loop import save_atomically
+SHARD_LIMIT_BYTES = 16 << 20  # what a device run can bring back in one file
+# Settings a shard must share with the run that reads it; its seed is recorded but not compared (it only chooses
+# prompts, which prompts_sha256 covers).
+COMPARED = ("base_model_sha256", "prompts_sha256", "windows", "generate_batch_size", "dtype")
 
 
 @torch.no_grad()
@@ -22,10 +30,12 @@ def continue_batch(base, prompts: list[list[int]], length: int) -> dict[str, tor
     """Each prompt (shorter than `length`) continued greedily to `length` tokens, in one left-padded batch.
 
     Returns ids [B, length], hidden [B, length, H] (post-norm, the row's own) and greedy [B, length] (the base
-    model's argmax after each row: the next id wherever the base model wrote it).
+    model's argmax after each row: the next id wherever the base model wrote it), on the CPU, hidden in float32
+    whatever dtype the base model computes in.
     """
     from transformers import StaticCache
 
+    device = base.get_output_embeddings().weight.device
     lengths = torch.tensor([len(p) for p in prompts])
     if int(lengths.min()) < 1 or int(lengths.max()) >= length:
         raise ValueError(f"prompt lengths must be 1..{length - 1} tokens, got {lengths.min()}..{lengths.max()}")
@@ -39,6 +49,7 @@ def continue_batch(base, prompts: list[list[int]], length: int) -> dict[str, tor
     cache = StaticCache(config=base.config, max_cache_len=widest + steps)
     head = base.get_output_embeddings().weight
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    ids, mask, positions = ids.to(device), mask.to(device), positions.to(device)
     all_ids, all_hidden, all_greedy = [ids], [], []
     token_ids = ids
     for step in range(steps + 1):
@@ -55,40 +66,123 @@ def continue_batch(base, prompts: list[list[int]], length: int) -> dict[str, tor
         all_ids.append(token_ids)
         mask = torch.cat([mask, torch.ones_like(token_ids)], dim=1)
         positions = positions[:, -1:] + 1
-    ids, hidden, greedy = torch.cat(all_ids, 1), torch.cat(all_hidden, 1), torch.cat(all_greedy, 1)
+    ids, hidden, greedy = torch.cat(all_ids, 1).cpu(), torch.cat(all_hidden, 1).float().cpu(), torch.cat(all_greedy, 1).cpu()
     # Row r's text starts after its padding: keep `length` columns from there.
     columns = (widest - lengths)[:, None] + torch.arange(length)[None, :]
     return {"ids": ids.gather(1, columns), "greedy": greedy.gather(1, columns),
             "hidden": hidden.gather(1, columns[:, :, None].expand(-1, -1, hidden.shape[-1]))}
 
 
-def self_generated_windows(base, prompts: list[list[int]], length: int, batch_size: int, cache_file: Path,
-                           description: str, base_key: str) -> dict[str, torch.Tensor]:
-    """continue_batch over every prompt, saved to cache_file after each batch. A cache that starts with the same
-    prompts (a run that stopped, a corpus that grew or shrank) is kept and only the rest is generated. Longer
-    cached windows are cut to `length`: each row depends only on the rows before it, so that is what generating
-    to `length` gives (the file keeps them long until a new prompt is added). One made with another base model
-    (base_key) or shorter windows starts over."""
+def generation_batch(batch_size: int, shard_windows: int) -> int:
+    """Prompts a batch of generation: batch_size rounded down to whole shards, at least one."""
+    return max(1, batch_size // shard_windows) * shard_windows
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 24), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def checkpoint_digest(path: Path) -> str:
+    """sha256 of a .gguf file; of a checkpoint directory, sha256 over its config.json and *.safetensors files'
+    names and digests."""
+    if path.is_file():
+        return sha256_file(path)
+    files = sorted([*path.glob("*.safetensors"), *path.glob("config.json")])
+    return hashlib.sha256(json.dumps([[f.name, sha256_file(f)] for f in files]).encode()).hexdigest()
+
+
+def prompts_digest(prompts: list[list[int]]) -> str:
+    return hashlib.sha256(json.dumps(prompts, separators=(",", ":")).encode()).hexdigest()
+
+
+def records_digest(records: list[dict]) -> str:
+    return hashlib.sha256(json.dumps(records, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def shard_mismatch(record: dict, wanted: dict) -> str | None:
+    """Why a shard's record does not fit the shard wanted now, or None when it does (longer windows fit)."""
+    for key in COMPARED:
+        if record.get(key) != wanted[key]:
+            return f"{key} is {record.get(key)!r}, this run's is {wanted[key]!r}"
+    if record.get("length", 0) < wanted["length"]:
+        return f"its windows are {record.get('length')} tokens, this run's are {wanted['length']}"
+    return None
+
+
+def read_shard(path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
+    with safe_open(str(path), framework="pt", device="cpu") as handle:
+        record = json.loads(handle.metadata()["provenance"])
+        return record, {key: handle.get_tensor(key) for key in ("ids", "hidden", "greedy")}
+
+
+def self_generated_windows(base, prompts: list[list[int]], length: int, batch_size: int, shard_dir: Path,
+                           description: str, generation: dict, shard_windows: int) -> tuple[dict, list[dict]]:
+    """continue_batch over every prompt, kept in shard_dir as shards of shard_windows windows (safetensors, at
+    most 16 MiB each), each with its provenance record: generation (base_model_sha256, seed, dtype), the shard's
+    index, windows, length and prompts_sha256 (sha256 of its prompts' token ids). Returns ({ids, hidden, greedy}
+    over every prompt, the records).
+
+    Prompts go to the base model in batches of whole shards (batch_size rounded down to a multiple of
+    shard_windows, at least one shard), always the same batches for the same prompts: a rerun, or a run stopped
+    part way, generates only the shards that are missing and the data is bitwise what one uninterrupted run makes.
+    A shard is written under a temporary name and renamed when whole. A shard made for other prompts (a corpus
+    that grew: its last shard), another base model, batch size or dtype is regenerated, and the reason printed.
+    Longer windows are cut to `length`: each row depends only on the rows before it."""
     longest = max((len(prompt) for prompt in prompts), default=0)
     if not 0 < longest < length:
         raise ValueError(f"{description}: prompts of up to {longest} tokens need windows longer than that; "
                          f"training.sequence_length is {length}")
-    done: dict[str, torch.Tensor] | None = None
-    known: list[list[int]] = []
-    if cache_file.is_file():
-        cached = torch.load(cache_file, weights_only=True)
-        known = cached["prompts"][: len(prompts)]
-        if cached["base"] == base_key and cached["length"] >= length and prompts[: len(known)] == known:
-            done = {key: cached[key][: len(known), :length] for key in ("ids", "hidden", "greedy")}
-            if cached["length"] > length:
-                done["hidden"] = done["hidden"].clone()  # saved alone, not as a view of the longer windows
-        else:
-            known = []
-    with tqdm(total=len(prompts), initial=len(known), desc=description, unit="prompt") as bar:
-        for first in range(len(known), len(prompts), batch_size):
-            part = continue_batch(base, prompts[first: first + batch_size], length)
-            done = part if done is None else {key: torch.cat([done[key], part[key]]) for key in done}
-            known = prompts[: first + len(part["ids"])]
-            save_atomically({**done, "prompts": known, "length": length, "base": base_key}, cache_file)
-            bar.update(len(part["ids"]))
-    return done
+    window_bytes = length * (base.config.hidden_size * 4 + 2 * 8)
+    if shard_windows * window_bytes > SHARD_LIMIT_BYTES - (1 << 16):
+        raise ValueError(f"corpus.shard_windows={shard_windows} windows of {length} tokens are "
+                         f"{shard_windows * window_bytes / 2**20:.1f} MiB a shard, over 16 MiB; at most "
+                         f"{(SHARD_LIMIT_BYTES - (1 << 16)) // window_bytes}")
+    generation = {**generation, "generate_batch_size": generation_batch(batch_size, shard_windows)}
+    shards_per_batch = generation["generate_batch_size"] // shard_windows
+    shard_dir.mkdir(parents=True, exist_ok=True)
+    num_shards = -(-len(prompts) // shard_windows)
+    parts, records = [None] * num_shards, [None] * num_shards
+    with tqdm(total=len(prompts), desc=description, unit="prompt") as bar:
+        for first_shard in range(0, num_shards, shards_per_batch):
+            batch = range(first_shard, min(first_shard + shards_per_batch, num_shards))
+            wanted = {}
+            for index in batch:
+                shard_prompts = prompts[index * shard_windows: (index + 1) * shard_windows]
+                wanted[index] = {**generation, "shard": index, "windows": len(shard_prompts), "length": length,
+                                 "prompts_sha256": prompts_digest(shard_prompts)}
+                path = shard_dir / f"{index:05d}.safetensors"
+                if not path.is_file():
+                    continue
+                try:
+                    record, data = read_shard(path)
+                except Exception as error:  # noqa: BLE001 - safetensors raises several types for a bad file
+                    tqdm.write(f"{path}: unreadable ({error}); regenerating it")
+                    continue
+                reason = shard_mismatch(record, wanted[index])
+                if reason:
+                    tqdm.write(f"{path}: made for other data ({reason}); regenerating it")
+                    continue
+                parts[index] = {key: value[:, :length] for key, value in data.items()}
+                records[index] = record
+                bar.update(len(data["ids"]))
+            missing = [index for index in batch if parts[index] is None]
+            if not missing:
+                continue
+            first, last = batch[0] * shard_windows, (batch[-1] + 1) * shard_windows
+            made = continue_batch(base, prompts[first:last], length)
+            for index in missing:
+                rows = slice(index * shard_windows - first, (index + 1) * shard_windows - first)
+                parts[index] = {key: value[rows].contiguous() for key, value in made.items()}
+                records[index] = wanted[index]
+                path = shard_dir / f"{index:05d}.safetensors"
+                temporary = path.with_suffix(".tmp")
+                save_file(parts[index], str(temporary), metadata={"provenance": json.dumps(wanted[index])})
+                os.replace(temporary, path)
+                bar.update(len(parts[index]["ids"]))
+    if not parts:
+        return {}, []
+    return {key: torch.cat([part[key] for part in parts]) for key in ("ids", "hidden", "greedy")}, records

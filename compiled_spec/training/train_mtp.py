@@ -32,10 +32,18 @@ from ..tokenizer import load_tokenizer
 from . import loop
 from .mtp_corpus import DEF_LINE, DOMAINS, chat_prompts, code_texts, line_prompts, prose_texts
 from .mtp_reference import DECODER_CLASSES, export_mtp_state_dict, mtp_chain, mtp_layers
-from .self_generated import self_generated_windows
+from .self_generated import checkpoint_digest, generation_batch, records_digest, self_generated_windows
 
 DEFAULT_CONFIG = Path(__file__).parent / "train_mtp_config.json"
 IGNORE = -100
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def dtype_named(config: dict, section: str, key: str) -> torch.dtype:
+    name = config[section].get(key, "float32")
+    if name not in DTYPES:
+        raise ValueError(f"{section}.{key} is {name!r}; choose {' or '.join(DTYPES)}")
+    return DTYPES[name]
 
 
 def load_base(path: Path):
@@ -158,16 +166,22 @@ class MtpTraining:
         self.base, self.config = base, config
         training = config["training"]
         self.batch_size = training["batch_size"]
+        self.compute_dtype = dtype_named(config, "training", "compute_dtype")
         self.modules = mtp_layers(base_config, config["num_modules"])
         self.modules.apply(base._init_weights)
+        self.device = base.get_output_embeddings().weight.device
+        self.modules.to(self.device)
         vocab_size = base_config.vocab_size
         self.draft_vocab = ranking[: config["draft_vocab_size"]].sort().values
         head = base.get_output_embeddings().weight
         self.full_head = head
         self.draft_head = head[self.draft_vocab].clone()
-        self.train = {**train, "targets": to_draft_ids(train["greedy"], self.draft_vocab, vocab_size)}
-        self.held_out = {domain: {**data, "targets": to_draft_ids(data["greedy"], self.draft_vocab, vocab_size)}
+        self.train = {key: value.to(self.device) for key, value in
+                      {**train, "targets": to_draft_ids(train["greedy"], self.draft_vocab, vocab_size)}.items()}
+        self.held_out = {domain: {key: value.to(self.device) for key, value in
+                                  {**data, "targets": to_draft_ids(data["greedy"], self.draft_vocab, vocab_size)}.items()}
                          for domain, data in held_out.items()}
+        self.draft_vocab, self.draft_head = self.draft_vocab.to(self.device), self.draft_head.to(self.device)
 
     def depth_hidden(self, ids: torch.Tensor, hidden: torch.Tensor) -> list[torch.Tensor]:
         return mtp_chain(self.modules, self.base.model.embed_tokens, self.base.model.rotary_emb, ids, hidden)
@@ -176,7 +190,11 @@ class MtpTraining:
         """Cross-entropy to the base model's greedy token; with distill_fraction > 0, mixed with the KL divergence
         to the base model's own distribution over the draft vocabulary (its cached hidden state times the head).
         With training.loss_rows "decoding", only rows whose inputs decoding could show count (decoding_rows)."""
-        index = torch.randint(0, len(self.train["ids"]), (self.batch_size,), generator=generator)
+        index = torch.randint(0, len(self.train["ids"]), (self.batch_size,), generator=generator).to(self.device)
+        with torch.autocast(self.device.type, dtype=self.compute_dtype, enabled=self.compute_dtype != torch.float32):
+            return self.losses_of(index)
+
+    def losses_of(self, index: torch.Tensor) -> list[torch.Tensor]:
         ids, base_hidden = self.train["ids"][index], self.train["hidden"][index]
         depths = self.depth_hidden(ids, base_hidden)
         targets = self.train["targets"][index]
@@ -229,13 +247,14 @@ class MtpTraining:
         return report
 
     def export(self, output_dir: Path, step: int, log: dict) -> None:
-        state = export_mtp_state_dict(self.modules, self.base.config.num_hidden_layers)
-        state["d2t"] = log["_ranking"]
+        state = {key: value.detach().cpu().contiguous() for key, value in
+                 export_mtp_state_dict(self.modules, self.base.config.num_hidden_layers).items()}
+        state["d2t"] = log["_ranking"].cpu()
         staging = output_dir.parent / (output_dir.name + ".staging")
         shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir(parents=True)
-        save_file(state, str(staging / MTP_WEIGHTS_NAME), metadata={"format": "pt", "trained_by": "compiled-spec train-mtp",
-                                                                 "step": str(step)})
+        save_weights(state, staging, {"format": "pt", "trained_by": "compiled-spec train-mtp", "step": str(step)},
+                     self.config.get("max_file_bytes"))
         public_log = {k: v for k, v in log.items() if not k.startswith("_")}
         (staging / MTP_CONFIG_NAME).write_text(json.dumps(self.config, indent=2) + "\n")
         (staging / "training_log.json").write_text(json.dumps(public_log, indent=2) + "\n")
@@ -243,31 +262,78 @@ class MtpTraining:
         loop.plot_loss_curve(log["history"], staging / "loss_curve.png", names, f"MTP modules on {self.config['model']}",
                              ylabel="cross-entropy to the base model's greedy token")
         output_dir.mkdir(parents=True, exist_ok=True)
+        for stale in [*output_dir.glob(MTP_WEIGHTS_NAME), *output_dir.glob("mtp-*-of-*.safetensors")]:
+            stale.unlink()  # a weights file of an earlier export: the engine reads every *.safetensors here
         for path in staging.iterdir():
             os.replace(path, output_dir / path.name)
         staging.rmdir()
+
+
+def save_weights(state: dict[str, torch.Tensor], directory: Path, metadata: dict, max_file_bytes: int | None) -> list[Path]:
+    """mtp.safetensors; with max_file_bytes, as many mtp-0000i-of-0000n.safetensors as keep each file under it
+    (tensors in name order, each whole). The engine reads every *.safetensors in an MTP directory."""
+    if max_file_bytes is None:
+        save_file(state, str(directory / MTP_WEIGHTS_NAME), metadata=metadata)
+        return [directory / MTP_WEIGHTS_NAME]
+    groups, size = [[]], 0
+    for name in sorted(state):
+        tensor_bytes = state[name].numel() * state[name].element_size() + 256  # with its header entry
+        if tensor_bytes > max_file_bytes - (1 << 12):
+            raise ValueError(f"{name} alone is {tensor_bytes} bytes, over the {max_file_bytes}-byte file limit")
+        if groups[-1] and size + tensor_bytes > max_file_bytes - (1 << 12):
+            groups.append([])
+            size = 0
+        groups[-1].append(name)
+        size += tensor_bytes
+    paths = []
+    for number, names in enumerate(groups, start=1):
+        path = directory / f"mtp-{number:05d}-of-{len(groups):05d}.safetensors"
+        save_file({name: state[name] for name in names}, str(path), metadata=metadata)
+        paths.append(path)
+    return paths
+
+
+def self_generated_data(config: dict, base, tokenizer, base_path: Path, work_dir: Path) -> tuple[list, dict, dict]:
+    """Every domain's windows (train parts in domain order, held out by domain), from shards in
+    work_dir/shards/<domain>_<split> made as corpus.generate_dtype says, and the data's provenance record for the
+    training log."""
+    corpus, length = config["corpus"], config["training"]["sequence_length"]
+    shard_windows = corpus.get("shard_windows", 32)
+    dtype = dtype_named(config, "corpus", "generate_dtype")
+    generating = base if dtype == torch.float32 else copy.deepcopy(base).to(dtype)
+    generation = {"base_model_sha256": checkpoint_digest(base_path), "seed": config["seed"],
+                  "dtype": str(dtype).removeprefix("torch.")}
+    train_parts, held_out, sets = [], {}, {}
+    for domain, (train_prompts, held_out_prompts) in domain_prompts(config, tokenizer, work_dir).items():
+        for split, prompts in (("train", train_prompts), ("held_out", held_out_prompts)):
+            data, records = self_generated_windows(
+                generating, prompts, length, corpus["generate_batch_size"], work_dir / "shards" / f"{domain}_{split}",
+                f"base model continues {domain} prompts ({split.replace('_', ' ')})", generation, shard_windows)
+            if split == "train":
+                train_parts.append(data)
+            else:
+                held_out[domain] = data
+            sets[f"{domain}_{split}"] = {
+                "shards": len(records), "windows": sum(r["windows"] for r in records),
+                "seeds": sorted({r["seed"] for r in records}), "records_sha256": records_digest(records)}
+    provenance = {"base_model": {"path": str(base_path), "sha256": generation["base_model_sha256"]},
+                  "dtype": generation["dtype"], "sequence_length": length, "shard_windows": shard_windows,
+                  "generate_batch_size": generation_batch(corpus["generate_batch_size"], shard_windows), "sets": sets}
+    return train_parts, held_out, provenance
 
 
 def train_mtp(config: dict, resume: bool = False, measure_steps: int | None = None) -> dict:
     training = config["training"]
     if training.get("loss_rows", "all") not in ("all", "decoding"):
         raise ValueError(f"training.loss_rows is {training['loss_rows']!r}; choose all or decoding")
+    dtype_named(config, "training", "compute_dtype")
+    dtype_named(config, "corpus", "generate_dtype")
     work_dir, output_dir = loop.prepare(config)
     base_path = resolve_model(config["model"])
     base, base_config = load_base(base_path)
+    base.to(config.get("device", "cpu"))
     tokenizer = load_tokenizer(base_path)
-    length = training["sequence_length"]
-    stat = base_path.stat()
-    base_key = f"{base_path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}"
-    batch_size = config["corpus"]["generate_batch_size"]
-    train_parts, held_out = [], {}
-    for domain, (train_prompts, held_out_prompts) in domain_prompts(config, tokenizer, work_dir).items():
-        train_parts.append(self_generated_windows(base, train_prompts, length, batch_size,
-                                                  work_dir / f"generated_{domain}_train.pt",
-                                                  f"base model continues {domain} prompts (train)", base_key))
-        held_out[domain] = self_generated_windows(base, held_out_prompts, length, batch_size,
-                                                  work_dir / f"generated_{domain}_held_out.pt",
-                                                  f"base model continues {domain} prompts (held out)", base_key)
+    train_parts, held_out, provenance = self_generated_data(config, base, tokenizer, base_path, work_dir)
     train = {key: torch.cat([part[key] for part in train_parts]) for key in ("ids", "hidden", "greedy")}
     train_tokens = {d: int(p["ids"].numel()) for d, p in zip(config["corpus"]["domains"], train_parts)}
     del train_parts  # the concatenation is a copy; keeping the parts would hold the teacher cache twice
@@ -280,6 +346,7 @@ def train_mtp(config: dict, resume: bool = False, measure_steps: int | None = No
         "train_tokens": train_tokens,
         "held_out_tokens": {d: int(p["ids"].numel()) for d, p in held_out.items()},
         "history": {"train": [], "validation": []},
+        "data_provenance": provenance,
     }
     task = loop.Task(
         model=task_state.modules,
