@@ -38,6 +38,28 @@ class DraftCount(click.ParamType):
             self.fail(f"{value!r} is neither a number of drafts (0..{MAX_SPECULATIVE_TOKENS}) nor 'auto'", param, ctx)
 
 
+TREE_HELP = (
+    "A token tree instead of a chain: one width per draft depth. At each depth the main model verifies that many "
+    "of the MTP module's top candidates in the same pass; the first continues the chain, the others are leaves "
+    "(a matching leaf ends the step on it: one token more than a rejected chain). Lossless like a chain; a tree "
+    "costs verify rows, not drafting. Shapes: 2,1,1 (depth 1: the draft and 1 leaf; depths 2-3: the chain; 6 "
+    "verify rows), 2,2,1 (a leaf at depths 1 and 2; 7 rows), 3,2 (k=2: 2 leaves at depth 1, 1 at depth 2; 6 rows); "
+    "1,1,1 is the k=3 chain. Widths 1..4. The tree's depth is k: leave -k out, or give auto (the step at the "
+    "tree's depth then verifies the tree, smaller k verify chains).")
+
+
+def tree_option(ctx, param, value):
+    """--draft-tree: widths per depth, checked here so a bad spec is a usage error naming the allowed range."""
+    if value is None:
+        return None
+    from compiled_spec.speculative.tree import parse_tree
+
+    try:
+        return parse_tree(value)
+    except ValueError as error:
+        raise click.BadParameter(str(error)) from None
+
+
 class InputError(click.ClickException):
     """Bad input found by the engine (a CompiledSpecError): reported like a usage error."""
 
@@ -146,11 +168,13 @@ def engine_options(command):
                      help=f"Tokens drafted per step by the MTP module(s), 0..{MAX_SPECULATIVE_TOKENS}; "
                           "0 turns speculation off; auto chooses k before each step, 0..--max-speculative-tokens, "
                           "for the most expected tokens per second (from step times measured at start-up and the "
-                          "running acceptance).  [default: 3, also for smollm2-135m with its shipped modules, its "
-                          "fastest k; 0 for a model without MTP modules]"),
+                          "running acceptance).  [default: 3; 2 for smollm2-135m with its shipped modules, its "
+                          "fastest fixed k; with --draft-tree, the tree's depth; 0 for a model without MTP modules]"),
         click.option("--max-speculative-tokens", "max_speculative_tokens", type=int,
                      default=DEFAULT_MAX_SPECULATIVE_TOKENS, show_default=True,
                      help="With -k auto: the largest k it may choose."),
+        click.option("--draft-tree", "draft_tree", default=None, metavar="W1,W2,...", callback=tree_option,
+                     help=TREE_HELP),
         click.option("--seed", type=click.IntRange(0, 2**32 - 1), default=0, show_default=True,
                      help="Base seed for sampling; each prompt gets its own seed derived from it."),
         click.option("--graph-mode", "graph_mode", type=click.Choice(GRAPH_MODES), default=None,
@@ -184,7 +208,7 @@ def engine_options(command):
 def make_llm(model, mtp, draft_vocab_size, num_speculative_tokens, graph_mode, max_batch_size, max_seq_len, seed,
              hisparse, top_k_tokens, hot_rows, cold_dtype, cold_pool, warm_up=True,
              max_speculative_tokens=DEFAULT_MAX_SPECULATIVE_TOKENS, draft_dtype=None, verify_graphs=0,
-             dequantize=False, quantize=None):
+             dequantize=False, quantize=None, draft_tree=None):
     """The LLM engine_options ask for; bad input becomes an InputError (one `error:` line, exit 2)."""
     from compiled_spec import LLM, CompiledSpecError
 
@@ -194,7 +218,8 @@ def make_llm(model, mtp, draft_vocab_size, num_speculative_tokens, graph_mode, m
                    graph_mode=graph_mode,
                    max_batch_size=max_batch_size, max_seq_len=max_seq_len, seed=seed, hisparse=sparse, mtp=mtp,
                    draft_vocab_size=draft_vocab_size, draft_dtype=draft_dtype, warm_up=warm_up,
-                   verify_graphs_every=verify_graphs, dequantize=dequantize, quantize=quantize)
+                   verify_graphs_every=verify_graphs, dequantize=dequantize, quantize=quantize,
+                   draft_tree=draft_tree)
     except CompiledSpecError as error:
         raise InputError(str(error)) from None
 
@@ -242,7 +267,7 @@ def main():
 @click.option("--json", "as_json", is_flag=True,
               help="Print one JSON object per prompt, then one with the aggregate (JSON lines).")
 def generate(prompts, prompt_ids, model, mtp, draft_vocab_size, draft_dtype, dequantize, quantize,
-             num_speculative_tokens, max_speculative_tokens, temperature, top_p, top_k, max_tokens, seed,
+             num_speculative_tokens, max_speculative_tokens, draft_tree, temperature, top_p, top_k, max_tokens, seed,
              graph_mode, verify_graphs, max_batch_size, max_seq_len, stop, ignore_eos, chat, as_json, hisparse,
              top_k_tokens, hot_rows, cold_dtype, cold_pool):
     """Generate text for each PROMPT with MTP speculative decoding.
@@ -263,6 +288,7 @@ def generate(prompts, prompt_ids, model, mtp, draft_vocab_size, draft_dtype, deq
       compiled-spec generate --model ./tiny --prompt-ids 2,17,5 --prompt-ids 9,9 --json
       compiled-spec generate "ROMEO:" --hisparse --top-k-tokens 32 --hot-rows 64
       compiled-spec generate --model smollm2-135m --chat "What is the capital of France?"
+      compiled-spec generate --model smollm2-135m --draft-tree 2,2,1 "def quicksort(items):"
     """
     all_prompts = [*prompts, *(parse_ids(text) for text in prompt_ids)]
     if not all_prompts:
@@ -282,7 +308,7 @@ def generate(prompts, prompt_ids, model, mtp, draft_vocab_size, draft_dtype, deq
     llm = make_llm(model, mtp, draft_vocab_size, num_speculative_tokens, graph_mode, max_batch_size, max_seq_len,
                    seed, hisparse, top_k_tokens, hot_rows, cold_dtype, cold_pool,
                    max_speculative_tokens=max_speculative_tokens, draft_dtype=draft_dtype,
-                   verify_graphs=verify_graphs or 0, dequantize=dequantize, quantize=quantize)
+                   verify_graphs=verify_graphs or 0, dequantize=dequantize, quantize=quantize, draft_tree=draft_tree)
     if llm.tokenizer is None and any(isinstance(p, str) for p in all_prompts):
         raise InputError(f"model {str(llm.path)!r} has no tokenizer; pass prompts as --prompt-ids 1,2,3")
 
@@ -347,7 +373,7 @@ def generate(prompts, prompt_ids, model, mtp, draft_vocab_size, draft_dtype, deq
 @click.option("--log-level", "log_level", type=click.Choice(("critical", "error", "warning", "info", "debug")),
               default="info", show_default=True)
 def serve(model, mtp, draft_vocab_size, draft_dtype, dequantize, quantize, num_speculative_tokens,
-          max_speculative_tokens, graph_mode, verify_graphs, max_batch_size, max_seq_len, seed, hisparse, top_k_tokens,
+          max_speculative_tokens, draft_tree, graph_mode, verify_graphs, max_batch_size, max_seq_len, seed, hisparse, top_k_tokens,
           hot_rows, cold_dtype, cold_pool, host, port, api_key, served_model_name, max_queue, max_request_bytes,
           body_timeout, shutdown_timeout, step_log, log_level):
     """Serve the model over HTTP with an OpenAI-compatible API.
@@ -390,7 +416,7 @@ def serve(model, mtp, draft_vocab_size, draft_dtype, dequantize, quantize, num_s
                    seed, hisparse, top_k_tokens, hot_rows, cold_dtype, cold_pool, warm_up=False,
                    max_speculative_tokens=max_speculative_tokens, draft_dtype=draft_dtype,  # the engine thread warms up
                    verify_graphs=SERVE_VERIFY_GRAPHS_EVERY if verify_graphs is None else verify_graphs,
-                   dequantize=dequantize, quantize=quantize)
+                   dequantize=dequantize, quantize=quantize, draft_tree=draft_tree)
     if verify_graphs is None and llm.engine.canary is not None:  # serve's default rate keeps under its budget
         llm.engine.canary.budget = SERVE_BUDGET
     if served_model_name:
@@ -580,11 +606,16 @@ DEFAULT_ANCHORS = ("hf-eager", "hf-static", "hf-mtp")
               callback=lambda ctx, param, text: int_list(ctx, param, text) if text else [None],
               help="Comma-separated draft vocabulary sizes: each cell with k > 0 runs once per size (see "
                    "'generate --draft-vocab'). Default: the engine's own.")
+@click.option("--draft-tree", "draft_trees", multiple=True, metavar="W1,W2,...",
+              callback=lambda ctx, param, values: [tree_option(ctx, param, value) for value in values],
+              help="A token tree (see 'generate --help'); repeatable. Each adds cells at its depth, and with -k auto "
+                   "an auto cell that chooses among chains and the tree.")
 @click.option("--hisparse", is_flag=True, help="Every engine cell decodes with HiSparse sparse attention.")
 @hisparse_options
 @options_of_engine_cells(draft_module_options() + weight_options())
 def bench(model, graph_modes, ks, batch_sizes, anchors, out, max_tokens, prompts_file, max_seq_len, buckets,
-          repeats, rounds, threads, cache_dir, cell_timeout, draft_vocab_sizes, hisparse, top_k_tokens, hot_rows,
+          repeats, rounds, threads, cache_dir, cell_timeout, draft_vocab_sizes, draft_trees, hisparse, top_k_tokens,
+          hot_rows,
           cold_dtype, cold_pool, mtp, draft_dtype, dequantize, quantize):
     """Measure tokens/s, step latency, acceptance per draft position, warm-up time and peak memory for
     every graph mode x k x batch size, beside transformers on the same model and prompts (greedy).
@@ -599,6 +630,7 @@ def bench(model, graph_modes, ks, batch_sizes, anchors, out, max_tokens, prompts
       compiled-spec bench --graph-modes full -k 0,1,2,3,auto --batch-sizes 1,8 --anchors none --rounds 3
       compiled-spec bench --model ./tiny --graph-modes eager -k 2 --batch-sizes 1,2 --anchors none
       compiled-spec bench --hisparse --top-k-tokens 32 --hot-rows 64 --graph-modes eager,full
+      compiled-spec bench --model smollm2-135m --graph-modes full -k 2,3 --draft-tree 2,1,1 --draft-tree 3,2
     """
     from benchmarks.sweep import SweepOptions, run_sweep
     from benchmarks.workload import read_prompts
@@ -635,6 +667,7 @@ def bench(model, graph_modes, ks, batch_sizes, anchors, out, max_tokens, prompts
         buckets=buckets, repeats=repeats, rounds=rounds, threads=threads, cache_dir=Path(cache_dir) if cache_dir else None,
         cell_timeout_s=cell_timeout, command=spelled_out(click.get_current_context()),
         hisparse=dataclasses.asdict(sparse) if sparse else None, draft_vocab_sizes=draft_vocab_sizes,
+        draft_trees=draft_trees,
         mtp=Path(mtp) if mtp else None, draft_dtype=draft_dtype, dequantize=dequantize, quantize=quantize,
     )
     try:
@@ -671,6 +704,10 @@ def spelled_out(ctx: click.Context) -> list[str]:
             continue
         if param.is_flag:
             words += [max(param.opts, key=len)] if value else []
+            continue
+        if param.multiple:  # e.g. --draft-tree 2,1 --draft-tree 3,2
+            for each in value:
+                words += [max(param.opts, key=len), ",".join(map(str, each)) if isinstance(each, tuple) else str(each)]
             continue
         text = ",".join(map(str, value)) if isinstance(value, list) else str(value)
         words += [max(param.opts, key=len), text or "none"]

@@ -98,6 +98,7 @@ def measure_engine(spec: dict) -> dict:
         draft_dtype=spec.get("draft_dtype"),
         dequantize=spec.get("dequantize", False),
         quantize=spec.get("quantize"),
+        draft_tree=spec.get("draft_tree"),
     )
     setup_s = time.perf_counter() - start
     engine = llm.engine
@@ -171,6 +172,7 @@ def measure_engine(spec: dict) -> dict:
         "hisparse_scorer": scorer_in_use(llm.model) if engine.constants.attention.config else None,
         "main_weight_bytes": main_weight_bytes(llm.model),
         "draft_vocab_size": None if llm.model.draft_vocab is None else llm.model.draft_vocab.numel(),
+        "draft_tree": list(llm.config.draft_tree) if llm.config.draft_tree else None,
         "draft_weight_dtype": draft_weight_dtype(llm.model),
         "cpu_kernels": decode_attention.status(),  # "built", "not built: <why>", or "not needed" (eager)
         **same_process,

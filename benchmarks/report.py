@@ -58,6 +58,9 @@ def engine_row(record: dict, anchors: list[str]) -> str:
     k = record["num_speculative_tokens"]
     vocab = record.get("draft_vocab_size")
     k_text = f"{k} (draft vocab {vocab})" if k and vocab else str(k)
+    if record.get("draft_tree"):
+        k_text += f" tree {','.join(map(str, record['draft_tree']))}"
+
     head = f"| {record['graph_mode']} | {k_text} | {record['batch_size']} |"
     if record["status"] != "ok":
         return head + f" {record['status']}: {record.get('reason', '')} |" + " |" * (11 + len(anchors))

@@ -54,6 +54,7 @@ class SweepOptions:
     plots: bool = True
     hisparse: dict | None = None  # HiSparseConfig fields for every engine cell; None: dense attention
     draft_vocab_sizes: list = field(default_factory=lambda: [None])  # cells with k > 0, per size; None: engine default
+    draft_trees: list = field(default_factory=list)  # token trees (width tuples): cells at each one's depth, and auto
     mtp: Path | None = None  # engine cells draft with these MTP modules (LLM(mtp=...)); None: the model's own
     draft_dtype: str | None = None  # engine cells' draft weight dtype (LLM(draft_dtype=...)); None: the default
     dequantize: bool = False  # engine cells widen a GGUF's quantized matrices (LLM(dequantize=True))
@@ -68,16 +69,22 @@ def plan(options: SweepOptions, prompt_ids: list[list[int]], max_seq_len: int) -
     for anchor in options.anchors:
         for batch in options.batch_sizes:
             cells.append(dict(kind="anchor", name=f"{anchor} b={batch}", anchor=anchor, batch_size=batch, **common))
+    shapes = [(None, options.num_speculative_tokens)]  # chains, then each tree at its depth (and auto among both)
+    shapes += [(tuple(tree), [len(tree)] + (["auto"] if "auto" in options.num_speculative_tokens else []))
+               for tree in options.draft_trees]
     for mode in options.graph_modes:
-        for k in options.num_speculative_tokens:
-            for batch in options.batch_sizes:
-                for size in options.draft_vocab_sizes if k == "auto" or k > 0 else [None]:
-                    name = f"{mode} k={k} b={batch}" + (f" v={size}" if size else "")
-                    cells.append(dict(kind="engine", name=name, graph_mode=mode, num_speculative_tokens=k,
-                                      batch_size=batch, max_seq_len=max_seq_len, buckets=options.buckets,
-                                      hisparse=options.hisparse, draft_vocab_size=size,
-                                      mtp=str(options.mtp) if options.mtp else None, draft_dtype=options.draft_dtype,
-                                      dequantize=options.dequantize, quantize=options.quantize, **common))
+        for tree, ks in shapes:
+            for k in ks:
+                for batch in options.batch_sizes:
+                    for size in options.draft_vocab_sizes if k == "auto" or k > 0 else [None]:
+                        name = f"{mode} k={k} b={batch}" + (f" v={size}" if size else "") + \
+                            (f" tree={','.join(map(str, tree))}" if tree else "")
+                        cells.append(dict(kind="engine", name=name, graph_mode=mode, num_speculative_tokens=k,
+                                          batch_size=batch, max_seq_len=max_seq_len, buckets=options.buckets,
+                                          hisparse=options.hisparse, draft_vocab_size=size, draft_tree=tree,
+                                          mtp=str(options.mtp) if options.mtp else None,
+                                          draft_dtype=options.draft_dtype, dequantize=options.dequantize,
+                                          quantize=options.quantize, **common))
     return cells
 
 
@@ -133,7 +140,7 @@ def worker_env(options: SweepOptions, cache_dir: Path) -> dict:
 
 
 def cell_record(spec: dict, result: dict) -> dict:
-    keys = ("kind", "name", "anchor", "graph_mode", "num_speculative_tokens", "batch_size")
+    keys = ("kind", "name", "anchor", "graph_mode", "num_speculative_tokens", "batch_size", "draft_tree")
     return {**{key: spec[key] for key in keys if key in spec}, **result}
 
 
@@ -143,7 +150,7 @@ def compare(records: list[dict], bandwidth_gb_s: float | None = None) -> None:
     with the measured read bandwidth, also the ratio to the plain-decoding limit (benchmarks/bandwidth.py)."""
     ok = [r for r in records if r["status"] == "ok"]
     anchors = {(r["anchor"], r["batch_size"]): r for r in ok if r["kind"] == "anchor"}
-    eager = {(r["num_speculative_tokens"], r["batch_size"], r.get("draft_vocab_size")): r for r in ok
+    eager = {(r["num_speculative_tokens"], r["batch_size"], r.get("draft_vocab_size"), shape(r)): r for r in ok
              if r["kind"] == "engine" and r["graph_mode"] == "eager"}
     reference = anchors.get(("hf-eager", 1)) or next((r for (name, _), r in anchors.items() if name == "hf-eager"), None)
     for record in ok:
@@ -158,7 +165,8 @@ def compare(records: list[dict], bandwidth_gb_s: float | None = None) -> None:
             limit = record["batch_size"] * bandwidth_gb_s * 1e9 / record["main_weight_bytes"]
             record["plain_decoding_limit_tokens_per_s"] = limit
             record["speedup_vs"]["plain-limit"] = record["tokens_per_s"] / limit
-        base = eager.get((record["num_speculative_tokens"], record["batch_size"], record.get("draft_vocab_size")))
+        base = eager.get((record["num_speculative_tokens"], record["batch_size"], record.get("draft_vocab_size"),
+                          shape(record)))
         if record["num_speculative_tokens"] == "auto":
             base = None  # auto chooses by measured step times, which differ between modes
             compare_with_fixed_k(record, ok)
@@ -173,12 +181,19 @@ def compare(records: list[dict], bandwidth_gb_s: float | None = None) -> None:
             )
 
 
+def shape(record: dict) -> tuple | None:
+    """A cell's token tree as a tuple, None for chains (JSON gives lists)."""
+    return tuple(record["draft_tree"]) if record.get("draft_tree") else None
+
+
 def compare_with_fixed_k(auto: dict, records: list[dict]) -> None:
     """auto's tokens/s over the best fixed k's in the same mode and batch size (and draft vocabulary; k=0 has
-    none, it is the same plain decoding for every size)."""
+    none, it is the same plain decoding for every size); auto with a tree chooses among chains and that tree, so its
+    best fixed cell may be either."""
     fixed = [r for r in records if r["kind"] == "engine" and isinstance(r["num_speculative_tokens"], int)
              and r["graph_mode"] == auto["graph_mode"] and r["batch_size"] == auto["batch_size"]
-             and (r["num_speculative_tokens"] == 0 or r.get("draft_vocab_size") == auto.get("draft_vocab_size"))]
+             and (r["num_speculative_tokens"] == 0 or r.get("draft_vocab_size") == auto.get("draft_vocab_size"))
+             and shape(r) in (None, shape(auto))]
     if not fixed:
         return
     best = max(fixed, key=lambda r: r["tokens_per_s"])

@@ -53,6 +53,7 @@ class LLM:
         verify_graphs_every: int = 0,
         dequantize: bool = False,
         quantize: str | None = None,
+        draft_tree: "str | tuple[int, ...] | None" = None,
     ):
         """num_speculative_tokens: drafts per step (k), or "auto": before each step, the k in
         0..max_speculative_tokens with the most expected tokens per second, from step times measured at warm-up
@@ -77,7 +78,11 @@ class LLM:
         by the weight-only quantized kernel (model/packed_linear.py).
         quantize: "q8_0" or "q4_0": a float checkpoint's (safetensors, or a GGUF of F32/F16/BF16 tensors) main-model
         matrices, embedding and head are quantized at load with the gguf package's quantizer and kept packed, as a
-        GGUF file of that type would be; rows that are not whole 32-value blocks, and the MTP modules, stay float."""
+        GGUF file of that type would be; rows that are not whole 32-value blocks, and the MTP modules, stay float.
+        draft_tree: a token tree, one width per draft depth ("2,2,1" or (2, 2, 1)): at each depth the main model
+        verifies that many of the draft module's top candidates, the first continuing the chain and the others as
+        leaves (speculative/tree.py). Its depth is k (default k: the tree's depth); with "auto", the k equal to its
+        depth verifies the tree and smaller k verify chains."""
         self.path = resolve_model(model) or DEFAULT_MODEL
         mtp = mtp if mtp is not None else shipped_mtp_modules(self.path)
         self.mtp_path = None if mtp is None else Path(mtp)
@@ -94,6 +99,7 @@ class LLM:
             prefill_buckets=prefill_buckets,
             hisparse=hisparse,
             verify_graphs_every=verify_graphs_every,
+            draft_tree=draft_tree,
         )
         if draft_vocab_size is None:
             draft_vocab_size = default_draft_vocab_size(self.path, self.mtp_path)
@@ -104,7 +110,9 @@ class LLM:
                                 draft_vocab_size=draft_vocab_size, draft_dtype=getattr(torch, draft_dtype),
                                 dequantize=dequantize, quantize=quantize)
         self.model_config = self.model.config
-        if num_speculative_tokens is None:
+        if num_speculative_tokens is None and draft_tree is not None:
+            self.config.num_speculative_tokens = len(draft_tree.split(",") if isinstance(draft_tree, str) else draft_tree)
+        elif num_speculative_tokens is None:
             self.config.num_speculative_tokens = default_num_speculative_tokens(
                 self.path, self.mtp_path, self.model_config.num_mtp_modules)
         self.config.validate(self.model_config)
@@ -125,7 +133,7 @@ class LLM:
                 num_speculative_tokens=self.config.num_speculative_tokens, max_speculative_tokens=max_speculative_tokens,
                 max_batch_size=max_batch_size, max_seq_len=max_seq_len, device=device, dtype=self.config.dtype,
                 seed=seed, batch_buckets=batch_buckets, prefill_buckets=prefill_buckets, hisparse=hisparse,
-                dequantize=dequantize, quantize=quantize,
+                dequantize=dequantize, quantize=quantize, draft_tree=self.config.draft_tree,
             )
         start = StartOptions(calibration_prompt=self._calibration_prompt(), llm_arguments=llm_arguments,
                              tiered_start=bool(background_compile), compile_workers=compile_workers)

@@ -218,6 +218,7 @@ class EngineConfig:
     prefill_buckets: tuple[int, ...] | None = None
     hisparse: "HiSparseConfig | None" = None
     verify_graphs_every: int = 0  # the graph canary checks every N-th step against eager; 0: off
+    draft_tree: tuple[int, ...] | None = None  # widths per depth (speculative/tree.py); the k=len step verifies it
 
     def torch_dtype(self):
         import torch
@@ -234,6 +235,31 @@ class EngineConfig:
     def max_drafts(self) -> int:
         """K: the most drafts one step makes (max_speculative_tokens with auto)."""
         return self.max_speculative_tokens if self.auto else self.num_speculative_tokens
+
+    @property
+    def tree_width(self) -> int:
+        """The widest depth of the draft tree: how many candidates a depth's draft slots hold (1: chains)."""
+        return max(self.draft_tree) if self.draft_tree else 1
+
+    def _validate_tree(self, model_config: ModelConfig) -> None:
+        from .speculative.tree import describe_tree, parse_tree
+
+        try:
+            self.draft_tree = parse_tree(self.draft_tree)
+        except ValueError as error:
+            raise CompiledSpecError(str(error), param="draft_tree") from None
+        depth, spec = len(self.draft_tree), describe_tree(self.draft_tree)
+        if self.auto and depth > self.max_speculative_tokens:
+            raise CompiledSpecError(f"draft_tree={spec!r} is {depth} deep; with num_speculative_tokens='auto' it may "
+                                    f"be at most max_speculative_tokens={self.max_speculative_tokens} deep",
+                                    param="draft_tree")
+        if not self.auto and self.num_speculative_tokens != depth:
+            raise CompiledSpecError(f"draft_tree={spec!r} is {depth} deep but num_speculative_tokens="
+                                    f"{self.num_speculative_tokens!r}; leave k out or give k={depth} or 'auto'",
+                                    param="draft_tree")
+        if self.hisparse is not None:
+            raise CompiledSpecError("draft_tree does not work with hisparse yet; use a chain (no draft_tree)",
+                                    param="draft_tree")
 
     def validate(self, model_config: ModelConfig) -> None:
         every = self.verify_graphs_every
@@ -266,6 +292,8 @@ class EngineConfig:
                 "(the model's max_position_embeddings)"
             )
         self.torch_dtype()
+        if self.draft_tree is not None:
+            self._validate_tree(model_config)
         if self.hisparse is not None:
             from .hisparse.config import HiSparseConfig
 

@@ -251,3 +251,29 @@ def test_a_stale_draft_count_is_caught(prompts, plain_tokens, eager_switching):
     with pytest.raises(Exception) as raised:
         compiled.step(4, 1)
     assert "decode state updated outside the graph: draft_counts" in audit_failure(raised.value)
+
+
+def test_the_tree_step_has_acceptance_estimates_of_its_own():
+    chooser = DraftLengthChooser(max_drafts=2, tree_depth=2)
+    chooser.seconds = {(1, 0): 1.0, (1, 1): 1.2, (1, 2): 1.5}
+    chooser.acceptance = [0.6, 0.2]  # chains: 1, 1.6 / 1.2 = 1.33, 1.72 / 1.5 = 1.15
+    chooser.tree_acceptance = [0.9, 0.5]  # the tree at k=2: 1 + 0.9 + 0.45 = 2.35 / 1.5 = 1.57
+    assert chooser.choose(1) == 2
+    chooser.observe_step(1, 2, 1.5, [(2, 0)])  # a tree step rejected at depth 1: the tree's estimate moves
+    assert chooser.tree_acceptance[0] < 0.9 and chooser.acceptance == [0.6, 0.2]
+    chooser.observe_step(1, 1, 1.2, [(1, 1)])  # a chain step
+    assert chooser.acceptance[0] > 0.6 and chooser.tree_acceptance[1] == 0.5
+
+
+def test_auto_with_a_tree_is_calibrated_for_both_and_keeps_greedy_output(prompts, plain_tokens):
+    path, texts = prompts
+    llm = LLM(path, graph_mode="eager", draft_tree=(2, 2), **ENGINE)
+    chooser = llm.engine.chooser
+    assert chooser.tree_depth == 2
+    # Calibration decoded with the chain (k=1) and with the tree: neither estimate is the untouched 1.0.
+    assert chooser.acceptance[0] < 1.0 and chooser.tree_acceptance[0] < 1.0 and chooser.tree_acceptance[1] < 1.0
+    assert [o.token_ids for o in llm.generate(texts, GREEDY)] == plain_tokens
+    # Switching between chains and the tree mid-request (the tree's step then verifies leaves a chain step drafted,
+    # or none) keeps the output too.
+    scheduled(llm)
+    assert [o.token_ids for o in llm.generate(texts, GREEDY)] == plain_tokens

@@ -5,6 +5,7 @@ import shutil
 
 import pytest
 
+from compiled_spec import HiSparseConfig
 from compiled_spec.api import LLM
 from compiled_spec.config import MAX_SPECULATIVE_TOKENS
 from compiled_spec.errors import CompiledSpecError
@@ -192,3 +193,21 @@ def test_a_safetensors_index_naming_a_file_outside_the_checkpoint_is_rejected(ti
     with pytest.raises(CompiledSpecError, match=r"model\.safetensors\.index\.json names shards outside the "
                                                 r"checkpoint folder: .*; allowed: file names relative to"):
         LLM(path, max_seq_len=16)
+
+
+@pytest.mark.parametrize(
+    "settings,message",
+    [
+        (dict(draft_tree="2,5"), r"width 5 is out of range; allowed 1\.\.4"),
+        (dict(draft_tree="2,x"), r"not a comma-separated list of widths"),
+        (dict(draft_tree=()), r"draft_tree is empty"),
+        (dict(draft_tree="2,1", num_speculative_tokens=3), r"draft_tree='2,1' is 2 deep but num_speculative_tokens=3"),
+        (dict(draft_tree="2,1,1,1", num_speculative_tokens="auto", max_speculative_tokens=3),
+         r"is 4 deep; with num_speculative_tokens='auto' it may be at most max_speculative_tokens=3 deep"),
+        (dict(draft_tree="2,1", hisparse=HiSparseConfig()), r"draft_tree does not work with hisparse yet"),
+    ],
+)
+def test_bad_draft_tree(tiny_checkpoint, settings, message):
+    with pytest.raises(CompiledSpecError, match=message) as error:
+        LLM(tiny_checkpoint("llama").path, max_seq_len=16, max_batch_size=2, warm_up=False, **settings)
+    assert error.value.param == "draft_tree"

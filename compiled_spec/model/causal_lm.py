@@ -65,6 +65,10 @@ class CausalLM(nn.Module):
         return half_weight_linear(hidden, self.draft_head).float() if self.draft_head.dtype != hidden.dtype else \
             (hidden @ self.draft_head.t()).float()
 
+    def draft_token_ids(self, index: torch.Tensor) -> torch.Tensor:
+        """Indices into the draft vocabulary -> token ids."""
+        return index if self.draft_vocab is None else self.draft_vocab[index]
+
     def draft_tokens_and_probs(self, index: torch.Tensor, probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """A draft sampled as `index` from `probs` over the draft vocabulary -> its token id and its q over the
         whole vocabulary (0 outside the draft vocabulary), the q the accept test must use."""

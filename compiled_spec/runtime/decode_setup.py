@@ -19,7 +19,7 @@ def allocate_state(model: CausalLM, config: EngineConfig) -> DecodeState:
     device, dtype, hisparse = torch.device(config.device), config.torch_dtype(), config.hisparse
     max_drafts = config.max_drafts
     return DecodeState.allocate(
-        model.config, config.max_batch_size, config.max_seq_len, max_drafts, dtype, device,
+        model.config, config.max_batch_size, config.max_seq_len, max_drafts, dtype, device, tree_width=config.tree_width,
         **(dict(hot_rows=hisparse.hot_rows, index_dims=index_key_dims(model, max_drafts),
                 cold_dtype=hisparse.cold_torch_dtype(dtype), pinned_cold_pool=hisparse.cold_pool_pinned(device))
            if hisparse else {}),
@@ -36,6 +36,7 @@ def step_constants(model: CausalLM, config: EngineConfig, state: DecodeState, eo
         max_seq_len=config.max_seq_len,
         opaque_attention=config.graph_mode == GraphMode.PIECEWISE,
         attention=HiSparseAttention(config.hisparse) if config.hisparse else DenseAttention(),
+        draft_tree=config.draft_tree or (),
     )
 
 

@@ -10,23 +10,33 @@ no step is chosen to be slower per token than plain decoding.
 A step that drafts k runs draft depths 1..k only (speculative/step.py), so after steps at a smaller k the deeper
 depths hold stale rows. The chooser therefore keeps its last k in a bucket until another k is expected to be
 switch_margin faster: near-equal estimates do not make it flap between two k.
+
+With a token tree (speculative/tree.py), the k equal to its depth verifies the tree: its acceptance per depth is
+its own (a leaf can accept where the chain's draft was rejected), estimated apart from the chains'.
 """
 
 from __future__ import annotations
 
 
 class DraftLengthChooser:
-    def __init__(self, max_drafts: int, acceptance_decay: float = 0.98, switch_margin: float = 0.03):
+    def __init__(self, max_drafts: int, acceptance_decay: float = 0.98, switch_margin: float = 0.03,
+                 tree_depth: int | None = None):
         self.max_drafts = max_drafts
         self.switch_margin = switch_margin
+        self.tree_depth = tree_depth  # the k whose step verifies the engine's token tree; None: chains only
         self.chosen: dict[int, int] = {}  # bucket -> the k last chosen for it from timed estimates
         self.acceptance = [1.0] * max_drafts  # optimistic until observed: calibration replaces it
+        self.tree_acceptance = [1.0] * (tree_depth or 0)
         self.seconds: dict[tuple[int, int], float] = {}  # (bucket, k) -> seconds per step
         self.acceptance_decay = acceptance_decay
 
+    def rates(self, k: int) -> list[float]:
+        """The running acceptance per position of the step drafting k: the tree's, or the chains'."""
+        return self.tree_acceptance if k == self.tree_depth else self.acceptance
+
     def expected_tokens(self, k: int) -> float:
         total, reach = 1.0, 1.0
-        for rate in self.acceptance[:k]:
+        for rate in self.rates(k)[:k]:
             reach *= rate
             total += reach
         return total
@@ -52,18 +62,22 @@ class DraftLengthChooser:
         (bucket, k) that warm-up did not time."""
         self.seconds.setdefault((bucket, k), seconds)
         for verified, accepted in lanes:
-            self.observe_acceptance(verified, accepted)
+            self.observe_acceptance(verified, accepted, tree=k == self.tree_depth)
 
-    def observe_acceptance(self, verified: int, accepted: int) -> None:
-        """Drafts 1..accepted were accepted and, if accepted < verified, draft accepted+1 was rejected."""
-        decay = self.acceptance_decay
+    def observe_acceptance(self, verified: int, accepted: int, tree: bool = False) -> None:
+        """Drafts 1..accepted were accepted and, if accepted < verified, draft accepted+1 was rejected (tree: by
+        the tree's step)."""
+        decay, rates = self.acceptance_decay, self.tree_acceptance if tree else self.acceptance
         for position in range(min(accepted + 1, verified)):
             hit = 1.0 if position < accepted else 0.0
-            self.acceptance[position] = decay * self.acceptance[position] + (1 - decay) * hit
+            rates[position] = decay * rates[position] + (1 - decay) * hit
 
-    def seed_acceptance(self, accepted_per_position: list[int], verified_per_position: list[int]) -> None:
-        """Replaces the running rates by those a calibration run measured (conditional on the previous position)."""
-        for position in range(self.max_drafts):
+    def seed_acceptance(self, accepted_per_position: list[int], verified_per_position: list[int],
+                        tree: bool = False) -> None:
+        """Replaces the running rates by those a calibration run measured (conditional on the previous position);
+        tree: the run's steps verified the tree."""
+        rates = self.tree_acceptance if tree else self.acceptance
+        for position in range(min(len(rates), len(verified_per_position))):
             reached = accepted_per_position[position - 1] if position else verified_per_position[0]
             if verified_per_position[position] and reached:
-                self.acceptance[position] = accepted_per_position[position] / min(reached, verified_per_position[position])
+                rates[position] = accepted_per_position[position] / min(reached, verified_per_position[position])

@@ -33,14 +33,32 @@ def time_steps(engine: Engine, rounds: int = 9) -> None:
 
 
 def calibrate(engine: Engine, prompt_ids: list[int], max_tokens: int = 48) -> None:
-    """Decodes one greedy request with every draft slot and seeds the chooser's acceptance estimates from it."""
-    output = RequestOutput(prompt_token_ids=list(prompt_ids), stats=SpecStats(engine.max_drafts))
-    request = Request(-1, list(prompt_ids), SamplingParams(max_tokens=max_tokens, ignore_eos=True), 0, output)
-    chooser, engine.chooser = engine.chooser, None  # every step drafts K
-    try:
-        engine.admit(request)
-        while engine.slots:
-            engine.step()
-    finally:
-        engine.chooser = chooser
-    chooser.seed_acceptance(output.stats.accepted_per_position, output.stats.verified_per_position)
+    """Decodes one greedy request with the longest chain (K drafts, or K-1 when the tree is K deep) and, with a token
+    tree, one with the tree, and seeds the chooser's acceptance estimates from them."""
+    chooser = engine.chooser
+    chain = chooser.max_drafts - (chooser.tree_depth == chooser.max_drafts)
+    runs = ([(chain, False)] if chain else []) + ([(chooser.tree_depth, True)] if chooser.tree_depth else [])
+    for k, tree in runs:
+        output = RequestOutput(prompt_token_ids=list(prompt_ids), stats=SpecStats(engine.max_drafts))
+        request = Request(-1, list(prompt_ids), SamplingParams(max_tokens=max_tokens, ignore_eos=True), 0, output)
+        engine.chooser, engine.last_num_drafts = _FixedDrafts(k), k  # admits and steps with k
+        try:
+            engine.admit(request)
+            while engine.slots:
+                engine.step()
+        finally:
+            engine.chooser = chooser
+        chooser.seed_acceptance(output.stats.accepted_per_position, output.stats.verified_per_position, tree=tree)
+
+
+class _FixedDrafts:
+    """A chooser that always chooses k and learns nothing."""
+
+    def __init__(self, k: int):
+        self.k = k
+
+    def choose(self, bucket: int) -> int:
+        return self.k
+
+    def observe_step(self, *args) -> None:
+        pass

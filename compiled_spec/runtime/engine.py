@@ -37,7 +37,8 @@ class Engine:
         self.config = config
         self.tokenizer = tokenizer
         self.max_drafts = config.max_drafts  # K: draft slots in the state; a step drafts k <= K of them
-        self.chooser = DraftLengthChooser(self.max_drafts) if config.auto else None
+        self.chooser = DraftLengthChooser(self.max_drafts, tree_depth=len(config.draft_tree) if config.draft_tree
+                                          else None) if config.auto else None
         self.state = allocate_state(model, config)
         self.constants = step_constants(model, config, self.state, eos_ids)
         self.eos_ids = set(eos_ids)

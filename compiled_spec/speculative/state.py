@@ -48,6 +48,9 @@ class DecodeState:
     main_values: list[torch.Tensor]
     draft_keys: list[torch.Tensor]
     draft_values: list[torch.Tensor]
+    # Token trees (speculative/tree.py): each depth's other candidates after its draft, best first; None without a
+    # tree. Their keys and values go to the scratch rows of the main caches (scratch_row).
+    draft_leaves: torch.Tensor | None = None  # [slots, K, tree width - 1] int64
     # HiSparse's tiers (compiled_spec/hisparse/tiers.py), one per main layer then one per draft depth; None when off.
     hisparse: HiSparseState | None = None
 
@@ -63,6 +66,12 @@ class DecodeState:
     def trash_position(self) -> int:
         """Cache position that absorbs writes that must not land anywhere; no query ever reaches it."""
         return self.cache_capacity - 1
+
+    def scratch_row(self, depth: int, candidate: int) -> int:
+        """The main caches' row for depth index `depth`'s candidate `candidate` >= 1 of a tree's verify pass: past
+        every position a sequence reaches, before the trash position."""
+        per_depth = self.draft_leaves.shape[2]
+        return self.trash_position - self.draft_leaves.shape[1] * per_depth + depth * per_depth + candidate - 1
 
     def named_tensors(self) -> list[tuple[str, torch.Tensor]]:
         """Every tensor with the field it belongs to: ('seq_lens', ...), ('main_keys[0]', ...),
@@ -92,13 +101,17 @@ class DecodeState:
         index_dims: list[int] | tuple[int, ...] = (),
         cold_dtype: torch.dtype | None = None,
         pinned_cold_pool: bool = False,
+        tree_width: int = 1,
     ) -> "DecodeState":
         """max_drafts: K, the draft slots (a step may draft fewer). hot_rows and index_dims (one per main layer, then
         per draft depth) turn on the HiSparse tiers; the KV caches are then their cold pool, in cold_dtype (default:
-        dtype), and with pinned_cold_pool (CUDA) in pinned host memory."""
+        dtype), and with pinned_cold_pool (CUDA) in pinned host memory. tree_width: the widest depth of a token tree the
+        steps may verify (1: chains only)."""
         k = max_drafts
-        # Rows up to position max_seq_len - 1 + k are written by a step; one more is the trash position.
-        capacity = max_seq_len + k + 1
+        # Rows up to position max_seq_len - 1 + k are written by a step; then a tree's scratch rows; one more is the
+        # trash position.
+        leaves = tree_width - 1
+        capacity = max_seq_len + k + k * leaves + 1
         cache_shape = (num_slots, capacity, config.num_key_value_heads, config.head_dim)
 
         def zeros(*shape, dtype=torch.int64):
@@ -133,6 +146,7 @@ class DecodeState:
             main_values=caches(config.num_hidden_layers),
             draft_keys=caches(k),
             draft_values=caches(k),
+            draft_leaves=zeros(num_slots, k, leaves) if leaves else None,
             hisparse=allocate_tiers(hot_rows, index_dims, num_slots, capacity, *cache_shape[2:], dtype, device)
             if hot_rows else None,
         )

@@ -28,6 +28,7 @@ from . import rng
 from .attention_backend import AttentionBackend, DenseAttention
 from .sampler import race_sample, sampling_probs, verify_drafts
 from .state import DecodeState
+from .tree import draft_candidates, leaf_nodes, tree_attention, verify_tree
 
 
 class StepConstants(NamedTuple):
@@ -39,6 +40,7 @@ class StepConstants(NamedTuple):
     max_seq_len: int
     opaque_attention: bool = False
     attention: AttentionBackend = DenseAttention()  # HiSparseAttention: decode passes attend over tiered caches
+    draft_tree: tuple[int, ...] = ()  # widths per depth (speculative/tree.py): the step drafting len(draft_tree) verifies it
 
 
 def make_layout(
@@ -98,6 +100,8 @@ def state_writes(state: DecodeState, constants: StepConstants, k: int) -> tuple[
         names += [f"draft_keys[{i}]" for i in range(depths)] + [f"draft_values[{i}]" for i in range(depths)]
     if depths > 1:
         names.append("carry_hidden")
+    if k > 0 and state.draft_leaves is not None:
+        names.append("draft_leaves")
     return tuple(names + constants.attention.state_writes(state, depths))
 
 
@@ -133,7 +137,7 @@ def _draft_chain(
     next_position [B]: position of the first draft token.
     attended: as make_layout's (a prefill's prompt width).
     Returns draft tokens [B, k], draft probs [B, k, V], new carry [B, k-1, H] (depth d output at
-    producing_index).
+    producing_index), and with a tree's leaf slots in the state, each depth's next candidates [B, k, leaves].
     """
     batch, width, _ = main_hidden.shape
     rows = slot_ids
@@ -141,7 +145,8 @@ def _draft_chain(
     seeds = state.seeds[rows]
     offsets = torch.arange(width + k, device=main_hidden.device)
     previous = main_hidden
-    drafts, probs, carries = [], [], []
+    leaves_per_depth = state.draft_leaves.shape[2] if state.draft_leaves is not None else 0
+    drafts, probs, carries, leaves = [], [], [], []
     for depth in range(1, k + 1):
         window = width + depth - 1
         start = first_row - (depth - 1)
@@ -161,7 +166,12 @@ def _draft_chain(
         logits = model.draft_logits(hidden.gather(1, pick)[:, 0])
         depth_probs = sampling_probs(logits, temperature, top_k, top_p)
         position = next_position + depth - 1
-        index = race_sample(depth_probs, rng.stream_key(seeds, position, rng.DRAFT + depth))
+        key = rng.stream_key(seeds, position, rng.DRAFT + depth)
+        if leaves_per_depth:
+            index, others = draft_candidates(depth_probs, logits, key, temperature == 0, leaves_per_depth)
+            leaves.append(model.draft_token_ids(others))
+        else:
+            index = race_sample(depth_probs, key)
         token, depth_probs = model.draft_tokens_and_probs(index, depth_probs)
         window_tokens = torch.where(offsets[None, :] == producing_index[:, None] + depth, token[:, None],
                                     window_tokens)
@@ -173,7 +183,8 @@ def _draft_chain(
             carries.append(hidden.gather(1, carry_pick)[:, 0])
         previous = hidden
     carry = _stack_in_one_kernel(carries) if carries else None
-    return _stack_in_one_kernel(drafts), _stack_in_one_kernel(probs), carry
+    leaf_tokens = _stack_in_one_kernel(leaves) if leaves else None
+    return _stack_in_one_kernel(drafts), _stack_in_one_kernel(probs), carry, leaf_tokens
 
 
 # A cat or stack of values computed after different attention calls is one buffer whose slices inductor's graph
@@ -225,6 +236,20 @@ def _write_leading(buffer: torch.Tensor, rows: torch.Tensor, value: torch.Tensor
     buffer.index_put_((rows[:, None], columns[None, :]), value.to(buffer.dtype))
 
 
+def _accepted_path_rows(state, rows, chain_hidden, leaf_hidden, accepted, on_leaf, leaf, first_row, scratch):
+    """Where a row's path ends on a leaf: copies the leaf's key and value rows from its scratch row to its position in
+    every main layer, and returns the chain's hidden states [B, k+1, H] with the leaf's in its place (the
+    draft-extend reads them)."""
+    trash = state.trash_position
+    source = torch.where(on_leaf, scratch[leaf], trash)
+    target = torch.where(on_leaf, first_row + accepted, trash)
+    for cache in state.main_keys + state.main_values:
+        cache.index_put_((rows, target), cache[rows, source])
+    chosen = leaf_hidden.gather(1, leaf[:, None, None].expand(-1, 1, leaf_hidden.shape[-1]))
+    offsets = torch.arange(chain_hidden.shape[1], device=rows.device)
+    return torch.where(((offsets[None, :] == accepted[:, None]) & on_leaf[:, None])[..., None], chosen, chain_hidden)
+
+
 def speculative_step(model: CausalLM, state: DecodeState, constants: StepConstants, batch_size: int, k: int) -> None:
     """One step for slots 0..batch_size-1 that verifies the drafts each slot holds (at most k) and then drafts k
     tokens; slots marked done are left unchanged."""
@@ -243,18 +268,45 @@ def speculative_step(model: CausalLM, state: DecodeState, constants: StepConstan
     verify_tokens = torch.cat([state.pending_tokens[:batch_size, None], drafts], dim=1)
     offsets = torch.arange(k + 1, device=rows.device)
     positions = first_row[:, None] + offsets
-    layout = make_layout(state, constants, rows, positions, writable, True, sparse=True)
+    tree = constants.draft_tree if k > 0 and k == len(constants.draft_tree) else ()
+    nodes = leaf_nodes(tree)
+    if nodes:
+        # The leaves follow the chain's rows, each at its depth's position.
+        per_depth = state.draft_leaves.shape[2]
+        leaf_tokens = state.draft_leaves[:batch_size].flatten(1)[:, [j * per_depth + s - 1 for j, s in nodes]]
+        verify_tokens = torch.cat([verify_tokens, leaf_tokens], dim=1)
+        leaf_depths = torch.tensor([j + 1 for j, _ in nodes], device=rows.device)
+        positions = torch.cat([positions, first_row[:, None] + leaf_depths], dim=1)
+    verify_writable = active[:, None].expand(batch_size, positions.shape[1])
+    layout = make_layout(state, constants, rows, positions, verify_writable, True, sparse=True)
+    if nodes:
+        scratch = torch.tensor([state.scratch_row(j, s) for j, s in nodes], device=rows.device)
+        is_leaf = torch.arange(k + 1 + len(nodes), device=rows.device) > k
+        write_index = torch.where(is_leaf & active[:, None], F.pad(scratch, (k + 1, 0)), layout.write_index)
+        attend = tree_attention(layout.positions, write_index, is_leaf, state.cache_capacity)
+        layout = layout._replace(write_index=write_index, attend=attend)
     tiers = constants.attention.main_tiers(state)
     hidden = model.hidden_states(verify_tokens, layout, state.main_keys, state.main_values, tiers)
     constants.attention.after_main_pass(state, tiers, layout, rows)
     target_probs = sampling_probs(model.logits(hidden), temperature, top_k, top_p)
     verified = state.draft_counts[:batch_size].clamp(max=k) if slots > 0 else None
-    accepted, next_token = verify_drafts(target_probs, state.draft_probs[:batch_size, :k], drafts, seeds, seq_lens,
-                                         verified)
+    if nodes:
+        accepted, next_token, on_leaf, leaf = verify_tree(
+            target_probs[:, : k + 1], target_probs[:, k + 1 :], state.draft_probs[:batch_size, :k], drafts, leaf_tokens,
+            tree, temperature == 0, seeds, seq_lens, verified)
+        hidden = _accepted_path_rows(state, rows, hidden[:, : k + 1], hidden[:, k + 1 :], accepted, on_leaf & active,
+                                     leaf, first_row, scratch)
+    else:
+        accepted, next_token = verify_drafts(target_probs, state.draft_probs[:batch_size, :k], drafts, seeds, seq_lens,
+                                             verified)
 
     # Emitted this step: d_1..d_n, then the residual/bonus token at index n.
     padded_drafts = F.pad(drafts, (0, 1))
     emitted_tokens = torch.where(offsets[None, :] < accepted[:, None], padded_drafts, 0)
+    if nodes:  # the path's last draft is a leaf
+        leaf_token = leaf_tokens.gather(1, leaf[:, None])
+        emitted_tokens = torch.where((offsets[None, :] == accepted[:, None] - 1) & on_leaf[:, None], leaf_token,
+                                     emitted_tokens)
     emitted_tokens = torch.where(offsets[None, :] == accepted[:, None], next_token[:, None], emitted_tokens)
     count, finished = _stop_count(
         emitted_tokens, accepted + 1, constants.eos_ids, state.ignore_eos[:batch_size],
@@ -265,7 +317,7 @@ def speculative_step(model: CausalLM, state: DecodeState, constants: StepConstan
 
     if k > 0:
         window_tokens = F.pad(emitted_tokens, (0, k))
-        new_drafts, new_probs, new_carry = _draft_chain(
+        new_drafts, new_probs, new_carry, new_leaves = _draft_chain(
             model, state, constants, rows, True,
             first_row=first_row,
             window_tokens=window_tokens,
@@ -284,6 +336,9 @@ def speculative_step(model: CausalLM, state: DecodeState, constants: StepConstan
         if new_carry is not None:
             old_carry = state.carry_hidden[:batch_size, : k - 1]
             _write_leading(state.carry_hidden, rows, torch.where(keep[:, :, None], new_carry, old_carry))
+        if new_leaves is not None:
+            old_leaves = state.draft_leaves[:batch_size, :k]
+            _write_leading(state.draft_leaves, rows, torch.where(keep[:, :, None], new_leaves, old_leaves))
     if slots > 0:
         counts = state.draft_counts[:batch_size]
         _write_rows(state.draft_counts, rows, torch.where(active, torch.full_like(counts, k), counts))
@@ -336,7 +391,7 @@ def prefill(
         shifted = F.pad(prompt_ids[:, 1:], (0, k + 1))
         offsets = torch.arange(shifted.shape[1], device=prompt_ids.device)
         window_tokens = torch.where(offsets[None, :] == (prompt_len - 1)[:, None], first_token[:, None], shifted)
-        drafts, draft_probs, carry = _draft_chain(
+        drafts, draft_probs, carry, leaves = _draft_chain(
             model, state, constants, slot, False,
             first_row=torch.zeros_like(prompt_len),
             window_tokens=window_tokens,
@@ -352,6 +407,8 @@ def prefill(
         _write_leading(state.draft_probs, slot, draft_probs)
         if carry is not None:
             _write_leading(state.carry_hidden, slot, carry)
+        if leaves is not None:
+            _write_leading(state.draft_leaves, slot, leaves)
     if slots > 0:
         _write_rows(state.draft_counts, slot, torch.full_like(prompt_len, k))
 

@@ -1,7 +1,11 @@
 """Greedy speculative acceptance of trained MTP modules on held-out prompts, per domain, through the engine.
 
     python -m compiled_spec.training.mtp_acceptance --mtp compiled_spec/mtp_modules/smollm2-135m \\
-        [-k 3] [--draft-vocab 4096,8192,16384,49152] [--draft-dtype float16] [--json evaluation.json]
+        [-k 2,3] [--draft-tree 2,2,1 ...] [--draft-vocab 4096,8192,16384,49152] [--draft-dtype float16] \\
+        [--json evaluation.json]
+
+Each chain (-k) and token tree (--draft-tree) is measured per domain and on all domains together ("mixed": tokens
+per step over every step of the three).
 
 The prompts come from the parts of each domain that training never sees (mtp_corpus): openings of held-out
 standard-library functions, passages of held-out plays, and held-out chat prompts in the chat template.
@@ -54,11 +58,30 @@ def acceptance(llm: LLM, prompts: list[str], max_tokens: int) -> dict:
             "token_ids": [output.token_ids for output in outputs]}
 
 
+def summary(row: dict) -> str:
+    rates = " ".join(f"{rate:.1%}" for rate in row["acceptance_rate_per_position"])
+    return (f"acceptance by position {rates} | tokens per step {row['mean_accepted_length']:.2f} | "
+            f"output = k=0: {row['equals_k0']}")
+
+
+def mixed(rows: list[dict]) -> dict:
+    """The domains together: tokens per step over all their steps, acceptance per position weighted by steps."""
+    steps = sum(row["steps"] for row in rows)
+    width = len(rows[0]["acceptance_rate_per_position"])
+    return {"steps": steps,
+            "acceptance_rate_per_position": [sum(row["acceptance_rate_per_position"][i] * row["steps"] for row in rows)
+                                             / steps for i in range(width)],
+            "mean_accepted_length": sum(row["mean_accepted_length"] * row["steps"] for row in rows) / steps,
+            "equals_k0": all(row["equals_k0"] for row in rows)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--mtp", type=Path, required=True, help="a directory train-mtp wrote")
     parser.add_argument("--model", default=None, help="the base model (default: the one the modules were trained on)")
-    parser.add_argument("-k", type=int, default=3)
+    parser.add_argument("-k", default="3", help="comma-separated chain lengths [default: 3]")
+    parser.add_argument("--draft-tree", action="append", default=[], metavar="W1,W2,...",
+                        help="a token tree to measure too (repeatable), as generate --draft-tree takes it")
     parser.add_argument("--draft-vocab", default=None, help="comma-separated sizes (default: the trained size)")
     parser.add_argument("--draft-dtype", default=None,
                         help="the drafts' weight dtype, float16 or float32 (default: LLM's, float16 for smollm2-135m)")
@@ -76,23 +99,25 @@ def main() -> None:
                 show_progress=False)
     prompts = held_out_prompts(config, plain.tokenizer, args.prompts)
     reference = {domain: acceptance(plain, texts, args.max_tokens)["token_ids"] for domain, texts in prompts.items()}
-    results = {"model": str(model), "mtp": str(args.mtp), "k": args.k, "max_tokens": args.max_tokens,
+    shapes = [(f"chain k={k}", dict(num_speculative_tokens=int(k))) for k in args.k.split(",")]
+    shapes += [(f"tree {tree}", dict(draft_tree=tree)) for tree in args.draft_tree]
+    results = {"model": str(model), "mtp": str(args.mtp), "max_tokens": args.max_tokens,
                "prompts_per_domain": args.prompts, "greedy": True, "by_draft_vocab_size": {}}
     for size in sizes:
-        llm = LLM(model, mtp=args.mtp, num_speculative_tokens=args.k, draft_vocab_size=size,
-                  draft_dtype=args.draft_dtype, graph_mode=args.graph_mode, max_batch_size=8, max_seq_len=768,
-                  show_progress=False)
-        results["draft_dtype"] = draft_weight_dtype(llm.model)
         label = str(size or config["draft_vocab_size"])
-        rows = {}
-        for domain, texts in prompts.items():
-            row = acceptance(llm, texts, args.max_tokens)
-            row["equals_k0"] = row.pop("token_ids") == reference[domain]
-            rows[domain] = row
-            rates = " ".join(f"{rate:.1%}" for rate in row["acceptance_rate_per_position"])
-            print(f"draft vocab {label:>6} {domain:>5}: acceptance by position {rates} | mean accepted length "
-                  f"{row['mean_accepted_length']:.2f} | output = k=0: {row['equals_k0']}", flush=True)
-        results["by_draft_vocab_size"][label] = rows
+        results["by_draft_vocab_size"][label] = by_shape = {}
+        for name, shape in shapes:
+            llm = LLM(model, mtp=args.mtp, draft_vocab_size=size, draft_dtype=args.draft_dtype,
+                      graph_mode=args.graph_mode, max_batch_size=8, max_seq_len=768, show_progress=False, **shape)
+            results["draft_dtype"] = draft_weight_dtype(llm.model)
+            rows = by_shape[name] = {}
+            for domain, texts in prompts.items():
+                row = acceptance(llm, texts, args.max_tokens)
+                row["equals_k0"] = row.pop("token_ids") == reference[domain]
+                rows[domain] = row
+                print(f"draft vocab {label:>6} {name:>12} {domain:>5}: " + summary(row), flush=True)
+            rows["mixed"] = mixed(list(rows.values()))
+            print(f"draft vocab {label:>6} {name:>12} mixed: " + summary(rows["mixed"]), flush=True)
     if args.json:
         args.json.write_text(json.dumps(results, indent=2) + "\n")
 

@@ -1,0 +1,64 @@
+"""Token trees under graph capture: compile and full equal eager in tokens and in every step's accepted path, with
+no recompile, and greedy output equals plain decoding's.
+
+The workload of test_graph_modes.py (more requests than slots, mixed prompt lengths, prompts past the prefill
+bucket) with the tree (2, 2). The tokens and accepted count of each step fix the path it took (a chain node or a
+leaf at its last depth). Compiling the step runs the graph passes, so the state-mutation audit checks the tree step's
+writes (draft_leaves, and the leaf's rows moved in the main caches) too.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from compiled_spec import LLM, SamplingParams
+from compiled_spec.runtime.graph_modes import graphs_made
+from test_graph_modes import PROMPT_LENGTHS
+
+TREE = (2, 2)
+ENGINE = dict(max_batch_size=4, max_seq_len=64, batch_buckets=(4,), prefill_buckets=(16,))
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("tree_engines")]
+
+
+@pytest.fixture(scope="module")
+def workload(tiny_checkpoint):
+    checkpoint = tiny_checkpoint("predictive")
+    vocab = checkpoint.model.config.vocab_size
+    generator = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(2, vocab, (n,), generator=generator).tolist() for n in PROMPT_LENGTHS]
+    return checkpoint.path, prompts
+
+
+def run_workload(llm: LLM, prompts):
+    llm.engine.step_log.clear()
+    outputs = llm.generate(prompts, SamplingParams(max_tokens=20, ignore_eos=True))
+    return [o.token_ids for o in outputs], list(llm.engine.step_log)
+
+
+@pytest.fixture(scope="module")
+def eager_result(workload):
+    path, prompts = workload
+    return run_workload(LLM(path, graph_mode="eager", draft_tree=TREE, **ENGINE), prompts)
+
+
+@pytest.mark.parametrize("mode", ["compile", "full"])
+def test_tree_steps_equal_eager_in_every_mode_without_recompiles(workload, eager_result, mode):
+    path, prompts = workload
+    llm = LLM(path, graph_mode=mode, draft_tree=TREE, show_progress=False, compile_workers=1, **ENGINE)
+    warm_up_graphs = graphs_made(llm.engine.runner)
+    with torch.compiler.set_stance("fail_on_recompile"):
+        result = run_workload(llm, prompts)
+    assert result == eager_result
+    assert warm_up_graphs > 0 and graphs_made(llm.engine.runner) == warm_up_graphs
+
+
+def test_greedy_tree_output_equals_plain_decoding_and_the_leaves_are_used(workload, eager_result):
+    path, prompts = workload
+    plain_tokens, _ = run_workload(LLM(path, graph_mode="eager", num_speculative_tokens=0, **ENGINE), prompts)
+    chain_tokens, chain_steps = run_workload(LLM(path, graph_mode="eager", num_speculative_tokens=len(TREE),
+                                                 **ENGINE), prompts)
+    tree_tokens, tree_steps = eager_result
+    assert tree_tokens == plain_tokens == chain_tokens
+    # The same tokens in fewer steps: some paths ended on a leaf where the chain's draft was rejected.
+    assert len(tree_steps) < len(chain_steps), (len(tree_steps), len(chain_steps))
