@@ -1,6 +1,6 @@
 """Where a decode step's time goes: torch.profiler over the steps of one warmed-up request.
 
-    python -m benchmarks.profile_step [--model DIR] [--graph-mode full] [-k 3] [--max-tokens 96] [--rows 15]
+    python -m benchmarks.profile_step [--model DIR] [--graph-mode full] [-k 3 | --draft-tree 2,1] [--max-tokens 96] [--rows 15]
                                       [--max-seq-len 160] [--shapes]
 
 The defaults match a `compiled-spec bench` cell at batch 1 (max_seq_len 160, one batch and one prefill bucket).
@@ -26,6 +26,7 @@ def main() -> None:
     parser.add_argument("--model", default=None)
     parser.add_argument("--graph-mode", default="full")
     parser.add_argument("-k", "--num-speculative-tokens", type=int, default=3)
+    parser.add_argument("--draft-tree", default=None, metavar="W1,W2,...", help="a token tree (k: its depth)")
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--prompt", default="ROMEO:\n")
     parser.add_argument("--rows", type=int, default=15)
@@ -39,7 +40,8 @@ def main() -> None:
 
     torch._inductor.config.cpp.enable_kernel_profile = not args.no_kernel_names
     max_seq_len = args.max_seq_len
-    llm = LLM(args.model, num_speculative_tokens=args.num_speculative_tokens, graph_mode=args.graph_mode,
+    k = len(args.draft_tree.split(",")) if args.draft_tree else args.num_speculative_tokens
+    llm = LLM(args.model, num_speculative_tokens=k, draft_tree=args.draft_tree, graph_mode=args.graph_mode,
               max_batch_size=1, max_seq_len=max_seq_len, batch_buckets=(1,), prefill_buckets=(max_seq_len,))
     params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
     prompt = args.prompt if llm.tokenizer is not None else [1, 2, 3, 4]
@@ -48,7 +50,7 @@ def main() -> None:
     with profile(activities=[ProfilerActivity.CPU], record_shapes=args.shapes) as profiler:
         llm.generate(prompt, params)
     steps = llm.engine.step_seconds
-    print(f"{args.graph_mode}, k={args.num_speculative_tokens}, batch 1: {len(steps)} steps, "
+    print(f"{args.graph_mode}, k={k}" + (f" tree {args.draft_tree}" if args.draft_tree else "") + f", batch 1: {len(steps)} steps, "
           f"mean {1000 * statistics.fmean(steps):.2f} ms (profiler overhead included), warm-up {llm.engine.startup.warmup_seconds:.0f} s")
     print(profiler.key_averages(group_by_input_shape=args.shapes).table(sort_by="self_cpu_time_total", row_limit=args.rows, max_name_column_width=60))
     if args.trace:
