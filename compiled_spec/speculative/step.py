@@ -13,6 +13,9 @@ Draft depth m row i pairs h^{m-1}_i with t_{i+m} (h^0 is the main model's hidden
 has its own KV cache. After verification, depth m re-runs rows L-m .. L-1+k (the "draft-extend"
 window, width k+m), so every row whose inputs are all verified is (re)written from verified values,
 and rows that used a draft token are rewritten next step before anything reads them.
+
+The step drafting len(constants.draft_tree) verifies a token tree (speculative/tree.py): each depth's other candidates
+are extra rows of the verify pass, and the accepted path may end on one of them.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from . import rng
 from .attention_backend import AttentionBackend, DenseAttention
 from .sampler import race_sample, sampling_probs, verify_drafts
 from .state import DecodeState
-from .tree import draft_candidates, leaf_nodes, tree_attention, verify_tree
+from .tree import draft_candidates, end_on_leaf, leaf_nodes, leaf_rows, tree_layout, verify_tree
 
 
 class StepConstants(NamedTuple):
@@ -236,20 +239,6 @@ def _write_leading(buffer: torch.Tensor, rows: torch.Tensor, value: torch.Tensor
     buffer.index_put_((rows[:, None], columns[None, :]), value.to(buffer.dtype))
 
 
-def _accepted_path_rows(state, rows, chain_hidden, leaf_hidden, accepted, on_leaf, leaf, first_row, scratch):
-    """Where a row's path ends on a leaf: copies the leaf's key and value rows from its scratch row to its position in
-    every main layer, and returns the chain's hidden states [B, k+1, H] with the leaf's in its place (the
-    draft-extend reads them)."""
-    trash = state.trash_position
-    source = torch.where(on_leaf, scratch[leaf], trash)
-    target = torch.where(on_leaf, first_row + accepted, trash)
-    for cache in state.main_keys + state.main_values:
-        cache.index_put_((rows, target), cache[rows, source])
-    chosen = leaf_hidden.gather(1, leaf[:, None, None].expand(-1, 1, leaf_hidden.shape[-1]))
-    offsets = torch.arange(chain_hidden.shape[1], device=rows.device)
-    return torch.where(((offsets[None, :] == accepted[:, None]) & on_leaf[:, None])[..., None], chosen, chain_hidden)
-
-
 def speculative_step(model: CausalLM, state: DecodeState, constants: StepConstants, batch_size: int, k: int) -> None:
     """One step for slots 0..batch_size-1 that verifies the drafts each slot holds (at most k) and then drafts k
     tokens; slots marked done are left unchanged."""
@@ -270,21 +259,14 @@ def speculative_step(model: CausalLM, state: DecodeState, constants: StepConstan
     positions = first_row[:, None] + offsets
     tree = constants.draft_tree if k > 0 and k == len(constants.draft_tree) else ()
     nodes = leaf_nodes(tree)
-    if nodes:
-        # The leaves follow the chain's rows, each at its depth's position.
-        per_depth = state.draft_leaves.shape[2]
-        leaf_tokens = state.draft_leaves[:batch_size].flatten(1)[:, [j * per_depth + s - 1 for j, s in nodes]]
+    if nodes:  # the leaves follow the chain's rows, each at its depth's position
+        leaf_tokens, leaf_positions, scratch = leaf_rows(state, nodes, batch_size, first_row)
         verify_tokens = torch.cat([verify_tokens, leaf_tokens], dim=1)
-        leaf_depths = torch.tensor([j + 1 for j, _ in nodes], device=rows.device)
-        positions = torch.cat([positions, first_row[:, None] + leaf_depths], dim=1)
+        positions = torch.cat([positions, leaf_positions], dim=1)
     verify_writable = active[:, None].expand(batch_size, positions.shape[1])
     layout = make_layout(state, constants, rows, positions, verify_writable, True, sparse=True)
     if nodes:
-        scratch = torch.tensor([state.scratch_row(j, s) for j, s in nodes], device=rows.device)
-        is_leaf = torch.arange(k + 1 + len(nodes), device=rows.device) > k
-        write_index = torch.where(is_leaf & active[:, None], F.pad(scratch, (k + 1, 0)), layout.write_index)
-        attend = tree_attention(layout.positions, write_index, is_leaf, state.cache_capacity)
-        layout = layout._replace(write_index=write_index, attend=attend)
+        layout = tree_layout(layout, scratch, active, state.cache_capacity)
     tiers = constants.attention.main_tiers(state)
     hidden = model.hidden_states(verify_tokens, layout, state.main_keys, state.main_values, tiers)
     constants.attention.after_main_pass(state, tiers, layout, rows)
@@ -294,8 +276,8 @@ def speculative_step(model: CausalLM, state: DecodeState, constants: StepConstan
         accepted, next_token, on_leaf, leaf = verify_tree(
             target_probs[:, : k + 1], target_probs[:, k + 1 :], state.draft_probs[:batch_size, :k], drafts, leaf_tokens,
             tree, temperature == 0, seeds, seq_lens, verified)
-        hidden = _accepted_path_rows(state, rows, hidden[:, : k + 1], hidden[:, k + 1 :], accepted, on_leaf & active,
-                                     leaf, first_row, scratch)
+        hidden = end_on_leaf(state, rows, hidden[:, : k + 1], hidden[:, k + 1 :], accepted, on_leaf & active, leaf,
+                             first_row, scratch)
     else:
         accepted, next_token = verify_drafts(target_probs, state.draft_probs[:batch_size, :k], drafts, seeds, seq_lens,
                                              verified)

@@ -24,6 +24,7 @@ every step, so their caches need no move.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from . import rng
 from .sampler import race_sample
@@ -75,16 +76,43 @@ def leaf_key(accept_key: torch.Tensor, candidate: int) -> torch.Tensor:
     return rng.mix32(accept_key ^ rng.mix32(torch.full_like(accept_key, 0x68E31DA4 + candidate)))
 
 
-def tree_attention(
-    positions: torch.Tensor, write_index: torch.Tensor, scratch: torch.Tensor, capacity: int
-) -> torch.Tensor:
-    """attend [B, 1, T, capacity] of a tree's verify pass: positions [B, T] of its rows, write_index [B, T], scratch
-    [T] bool, the leaf rows. A chain row attends to every position up to its own; a leaf to the positions before its
-    own (its parent's prefix) and to the scratch row it was written to."""
+def leaf_rows(state, nodes: list[tuple[int, int]], batch_size: int, first_row: torch.Tensor):
+    """The leaves' rows of a verify pass whose chain starts at first_row [B]: their tokens [B, N] (from
+    state.draft_leaves), positions [B, N], and the scratch rows [N] their keys and values go to."""
+    per_depth = state.draft_leaves.shape[2]
+    tokens = state.draft_leaves[:batch_size].flatten(1)[:, [j * per_depth + s - 1 for j, s in nodes]]
+    depths = torch.tensor([j + 1 for j, _ in nodes], device=first_row.device)
+    scratch = torch.tensor([state.scratch_row(j, s) for j, s in nodes], device=first_row.device)
+    return tokens, first_row[:, None] + depths, scratch
+
+
+def tree_layout(layout, scratch: torch.Tensor, active: torch.Tensor, capacity: int):
+    """A verify pass's PassLayout over the chain's rows and then len(scratch) leaves: an active row's leaves write to
+    their scratch rows; a chain row attends to every position up to its own, a leaf to the positions before its own
+    (its parent's prefix) and to its scratch row."""
+    positions = layout.positions
+    is_leaf = torch.arange(positions.shape[1], device=positions.device) >= positions.shape[1] - scratch.shape[0]
+    write_index = torch.where(is_leaf & active[:, None], F.pad(scratch, (positions.shape[1] - scratch.shape[0], 0)),
+                              layout.write_index)
     cache_positions = torch.arange(capacity, device=positions.device)[None, None, :]
-    limit = torch.where(scratch[None, :], positions - 1, positions)
-    own = torch.where(scratch[None, :], write_index, -1)
-    return ((cache_positions <= limit[:, :, None]) | (cache_positions == own[:, :, None]))[:, None]
+    limit = torch.where(is_leaf[None, :], positions - 1, positions)
+    own = torch.where(is_leaf[None, :], write_index, -1)
+    attend = ((cache_positions <= limit[:, :, None]) | (cache_positions == own[:, :, None]))[:, None]
+    return layout._replace(write_index=write_index, attend=attend)
+
+
+def end_on_leaf(state, rows, chain_hidden, leaf_hidden, accepted, on_leaf, leaf, first_row, scratch) -> torch.Tensor:
+    """Where a row's path ends on a leaf (on_leaf [B], its index `leaf` [B]): copies the leaf's key and value rows from
+    its scratch row to its position in every main layer, and returns the chain's hidden states [B, k+1, H] with the
+    leaf's in its place (the draft-extend reads them)."""
+    trash = state.trash_position
+    source = torch.where(on_leaf, scratch[leaf], trash)
+    target = torch.where(on_leaf, first_row + accepted, trash)
+    for cache in state.main_keys + state.main_values:
+        cache.index_put_((rows, target), cache[rows, source])
+    chosen = leaf_hidden.gather(1, leaf[:, None, None].expand(-1, 1, leaf_hidden.shape[-1]))
+    offsets = torch.arange(chain_hidden.shape[1], device=rows.device)
+    return torch.where(((offsets[None, :] == accepted[:, None]) & on_leaf[:, None])[..., None], chosen, chain_hidden)
 
 
 def verify_tree(
