@@ -52,7 +52,7 @@ def tree_option(ctx, param, value):
     """--draft-tree: widths per depth, checked here so a bad spec is a usage error naming the allowed range."""
     if value is None:
         return None
-    from compiled_spec.speculative.tree import parse_tree
+    from compiled_spec.config import parse_tree
 
     try:
         return parse_tree(value)

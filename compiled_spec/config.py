@@ -204,6 +204,32 @@ def draft_dtype_name(draft_dtype, engine_dtype: str) -> str:
     return name
 
 
+MAX_TREE_WIDTH = 4
+
+
+def parse_tree(spec) -> tuple[int, ...]:
+    """A token tree (speculative/tree.py), one width per draft depth: '2,2,1' or (2, 2, 1) -> (2, 2, 1); raises
+    ValueError naming the bad value and the allowed range."""
+    if isinstance(spec, str):
+        parts = [part.strip() for part in spec.split(",")]
+        try:
+            widths = tuple(int(part) for part in parts)
+        except ValueError:
+            raise ValueError(f"draft_tree={spec!r} is not a comma-separated list of widths, like '2,2,1'") from None
+    else:
+        widths = tuple(spec)
+    if not widths:
+        raise ValueError("draft_tree is empty; give one width per draft depth, like '2,2,1'")
+    for width in widths:
+        if isinstance(width, bool) or not isinstance(width, int) or not 1 <= width <= MAX_TREE_WIDTH:
+            raise ValueError(f"draft_tree={spec!r}: width {width!r} is out of range; allowed 1..{MAX_TREE_WIDTH}")
+    return widths
+
+
+def describe_tree(widths: tuple[int, ...]) -> str:
+    return ",".join(str(width) for width in widths)
+
+
 @dataclass(slots=True)
 class EngineConfig:
     num_speculative_tokens: int | str = 3  # or "auto": chosen per step, 0..max_speculative_tokens
@@ -242,8 +268,6 @@ class EngineConfig:
         return max(self.draft_tree) if self.draft_tree else 1
 
     def _validate_tree(self, model_config: ModelConfig) -> None:
-        from .speculative.tree import describe_tree, parse_tree
-
         try:
             self.draft_tree = parse_tree(self.draft_tree)
         except ValueError as error:

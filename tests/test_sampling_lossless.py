@@ -55,8 +55,9 @@ def exact_joint(model, settings: dict) -> np.ndarray:
     return (first[:, None, None] * second[:, :, None] * third).numpy()
 
 
-def sample(path, k: int, settings: dict, seed_offset: int, num_requests: int = NUM_REQUESTS) -> np.ndarray:
-    llm = LLM(path, num_speculative_tokens=k, max_seq_len=8, max_batch_size=256)
+def sample(path, k: int | None, settings: dict, seed_offset: int, num_requests: int = NUM_REQUESTS, **engine):
+    """engine: more LLM arguments (draft_tree=...)."""
+    llm = LLM(path, num_speculative_tokens=k, max_seq_len=8, max_batch_size=256, **engine)
     params = [
         SamplingParams(max_tokens=GENERATED, ignore_eos=True, seed=seed_offset + i, **settings)
         for i in range(num_requests)

@@ -12,28 +12,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from compiled_spec import LLM, SamplingParams
+from compiled_spec import LLM
 from compiled_spec.runtime.graph_modes import graphs_made
-from test_graph_modes import PROMPT_LENGTHS
+from test_graph_modes import run_workload, workload  # noqa: F401 (a fixture)
 
 TREE = (2, 2)
 ENGINE = dict(max_batch_size=4, max_seq_len=64, batch_buckets=(4,), prefill_buckets=(16,))
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("tree_engines")]
-
-
-@pytest.fixture(scope="module")
-def workload(tiny_checkpoint):
-    checkpoint = tiny_checkpoint("predictive")
-    vocab = checkpoint.model.config.vocab_size
-    generator = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(2, vocab, (n,), generator=generator).tolist() for n in PROMPT_LENGTHS]
-    return checkpoint.path, prompts
-
-
-def run_workload(llm: LLM, prompts):
-    llm.engine.step_log.clear()
-    outputs = llm.generate(prompts, SamplingParams(max_tokens=20, ignore_eos=True))
-    return [o.token_ids for o in outputs], list(llm.engine.step_log)
 
 
 @pytest.fixture(scope="module")

@@ -7,34 +7,20 @@ matter, so a wrong multi-candidate rule moves the distribution far enough to fai
 
 import numpy as np
 import pytest
-import torch
 
 import compiled_spec.speculative.tree as tree_module
-from compiled_spec.api import LLM
-from compiled_spec.params import SamplingParams
-from test_sampling_lossless import BAD_P, GOOD_P, NUM_REQUESTS, PROMPT, SETTINGS, exact_joint, p_values
+from test_sampling_lossless import (  # noqa: F401 (vocab_checkpoint: a fixture)
+    BAD_P, GOOD_P, NUM_REQUESTS, SETTINGS, exact_joint, p_values, sample, vocab_checkpoint)
 
 TREE = (3, 2)
-GENERATED = 3
 
 
-def sample_tree(path, settings: dict, seed_offset: int, tree=TREE, k=None, num_requests: int = NUM_REQUESTS):
-    llm = LLM(path, draft_tree=tree, num_speculative_tokens=k, max_seq_len=8, max_batch_size=256)
-    params = [SamplingParams(max_tokens=GENERATED, ignore_eos=True, seed=seed_offset + i, **settings)
-              for i in range(num_requests)]
-    outputs = llm.generate([PROMPT] * num_requests, params)
-    tokens = np.array([o.token_ids for o in outputs])
-    assert tokens.shape == (num_requests, GENERATED)
-    return tokens, outputs
+def sample_tree(path, settings: dict, seed_offset: int, tree=TREE, num_requests: int = NUM_REQUESTS):
+    return sample(path, None, settings, seed_offset, num_requests, draft_tree=tree)
 
 
 def tokens_per_step(outputs) -> float:
     return np.mean([o.stats.mean_accepted_length for o in outputs])
-
-
-@pytest.fixture(scope="module")
-def vocab_checkpoint(tiny_checkpoint):
-    return tiny_checkpoint("tiny_vocab")
 
 
 @pytest.mark.parametrize("setting", list(SETTINGS))

@@ -29,31 +29,6 @@ import torch.nn.functional as F
 from . import rng
 from .sampler import race_sample
 
-MAX_TREE_WIDTH = 4
-
-
-def parse_tree(spec) -> tuple[int, ...]:
-    """'2,2,1' or (2, 2, 1) -> (2, 2, 1); raises ValueError naming the bad value and the allowed range."""
-    if isinstance(spec, str):
-        parts = [part.strip() for part in spec.split(",")]
-        try:
-            widths = tuple(int(part) for part in parts)
-        except ValueError:
-            raise ValueError(f"draft_tree={spec!r} is not a comma-separated list of widths, like '2,2,1'") from None
-    else:
-        widths = tuple(spec)
-    if not widths:
-        raise ValueError("draft_tree is empty; give one width per draft depth, like '2,2,1'")
-    for width in widths:
-        if isinstance(width, bool) or not isinstance(width, int) or not 1 <= width <= MAX_TREE_WIDTH:
-            raise ValueError(f"draft_tree={spec!r}: width {width!r} is out of range; allowed 1..{MAX_TREE_WIDTH}")
-    return widths
-
-
-def describe_tree(widths: tuple[int, ...]) -> str:
-    return ",".join(str(width) for width in widths)
-
-
 def leaf_nodes(widths: tuple[int, ...]) -> list[tuple[int, int]]:
     """The leaves as (depth index j, candidate index s >= 1), depth by depth: depth j+1's candidate s."""
     return [(depth, candidate) for depth, width in enumerate(widths) for candidate in range(1, width)]

@@ -19,6 +19,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm import tqdm
 
+from ..registry import sha256_of
+
 SHARD_LIMIT_BYTES = 16 << 20  # what a device run can bring back in one file
 # Settings a shard must share with the run that reads it; its seed is recorded but not compared (it only chooses
 # prompts, which prompts_sha256 covers).
@@ -78,21 +80,13 @@ def generation_batch(batch_size: int, shard_windows: int) -> int:
     return max(1, batch_size // shard_windows) * shard_windows
 
 
-def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 24), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def checkpoint_digest(path: Path) -> str:
     """sha256 of a .gguf file; of a checkpoint directory, sha256 over its config.json and *.safetensors files'
     names and digests."""
     if path.is_file():
-        return sha256_file(path)
+        return sha256_of(path)
     files = sorted([*path.glob("*.safetensors"), *path.glob("config.json")])
-    return hashlib.sha256(json.dumps([[f.name, sha256_file(f)] for f in files]).encode()).hexdigest()
+    return hashlib.sha256(json.dumps([[f.name, sha256_of(f)] for f in files]).encode()).hexdigest()
 
 
 def prompts_digest(prompts: list[list[int]]) -> str:
