@@ -42,8 +42,9 @@ TREE_HELP = (
     "A token tree instead of a chain: one width per draft depth. At each depth the main model verifies that many "
     "of the MTP module's top candidates in the same pass; the first continues the chain, the others are leaves "
     "(a matching leaf ends the step on it: one token more than a rejected chain). Lossless like a chain; a tree "
-    "costs verify rows, not drafting. Shapes: 2,1,1 (depth 1: the draft and 1 leaf; depths 2-3: the chain; 6 "
-    "verify rows), 2,2,1 (a leaf at depths 1 and 2; 7 rows), 3,2 (k=2: 2 leaves at depth 1, 1 at depth 2; 6 rows); "
+    "costs verify rows (1 + the widths' sum), not drafting. Shapes: 2,1,1 (depth 1: the draft and 1 leaf; depths "
+    "2-3: the chain; 5 verify rows), 2,2,1 (a leaf at depths 1 and 2; 6 rows), 3,2 (k=2: 2 leaves at depth 1, 1 at "
+    "depth 2; 6 rows); "
     "1,1,1 is the k=3 chain. Widths 1..4. The tree's depth is k: leave -k out, or give auto (the step at the "
     "tree's depth then verifies the tree, smaller k verify chains).")
 
@@ -331,7 +332,8 @@ def generate(prompts, prompt_ids, model, mtp, draft_vocab_size, draft_dtype, deq
     elapsed = time.perf_counter() - start
 
     summary = cli_format.Summary(llm.num_speculative_tokens, llm.engine.startup.graph_mode_run(), outputs, elapsed,
-                                 max_drafts=llm.draft_slots, weight_format=llm.weight_format)
+                                 max_drafts=llm.draft_slots, weight_format=llm.weight_format,
+                                 draft_tree=llm.config.draft_tree)
     for index, (prompt, output) in enumerate(zip(all_prompts, outputs)):
         if as_json:
             click.echo(cli_format.to_json(cli_format.request_record(index, prompt, output)))
@@ -373,9 +375,9 @@ def generate(prompts, prompt_ids, model, mtp, draft_vocab_size, draft_dtype, deq
 @click.option("--log-level", "log_level", type=click.Choice(("critical", "error", "warning", "info", "debug")),
               default="info", show_default=True)
 def serve(model, mtp, draft_vocab_size, draft_dtype, dequantize, quantize, num_speculative_tokens,
-          max_speculative_tokens, draft_tree, graph_mode, verify_graphs, max_batch_size, max_seq_len, seed, hisparse, top_k_tokens,
-          hot_rows, cold_dtype, cold_pool, host, port, api_key, served_model_name, max_queue, max_request_bytes,
-          body_timeout, shutdown_timeout, step_log, log_level):
+          max_speculative_tokens, draft_tree, graph_mode, verify_graphs, max_batch_size, max_seq_len, seed, hisparse,
+          top_k_tokens, hot_rows, cold_dtype, cold_pool, host, port, api_key, served_model_name, max_queue,
+          max_request_bytes, body_timeout, shutdown_timeout, step_log, log_level):
     """Serve the model over HTTP with an OpenAI-compatible API.
 
     \b
@@ -615,8 +617,7 @@ DEFAULT_ANCHORS = ("hf-eager", "hf-static", "hf-mtp")
 @options_of_engine_cells(draft_module_options() + weight_options())
 def bench(model, graph_modes, ks, batch_sizes, anchors, out, max_tokens, prompts_file, max_seq_len, buckets,
           repeats, rounds, threads, cache_dir, cell_timeout, draft_vocab_sizes, draft_trees, hisparse, top_k_tokens,
-          hot_rows,
-          cold_dtype, cold_pool, mtp, draft_dtype, dequantize, quantize):
+          hot_rows, cold_dtype, cold_pool, mtp, draft_dtype, dequantize, quantize):
     """Measure tokens/s, step latency, acceptance per draft position, warm-up time and peak memory for
     every graph mode x k x batch size, beside transformers on the same model and prompts (greedy).
 

@@ -92,10 +92,13 @@ class Summary:
     """All requests of one command together: tokens/s and the merged speculation statistics."""
 
     def __init__(self, num_speculative_tokens: int | str, graph_mode: str, outputs: list[RequestOutput],
-                 elapsed_s: float, max_drafts: int | None = None, weight_format: str | None = None):
+                 elapsed_s: float, max_drafts: int | None = None, weight_format: str | None = None,
+                 draft_tree: tuple[int, ...] | None = None):
         """num_speculative_tokens: k or "auto"; max_drafts: the most drafts a step verifies (default: k);
-        weight_format: how the main model's matrices are held (LLM.weight_format)."""
+        weight_format: how the main model's matrices are held (LLM.weight_format); draft_tree: the engine's token
+        tree (widths per depth), if any."""
         self.num_speculative_tokens = num_speculative_tokens
+        self.draft_tree = draft_tree
         self.weight_format = weight_format
         self.graph_mode = graph_mode
         self.elapsed_s = elapsed_s
@@ -119,7 +122,8 @@ class Summary:
         else:
             rates = " ".join(f"{rate:.0%}" if verified else "-" for rate, verified in
                              zip(self.stats.acceptance_rate_per_position, self.stats.verified_per_position))
-            parts.append(f"k={k}, acceptance by draft position: {rates}")
+            tree = f" (tree {','.join(map(str, self.draft_tree))})" if self.draft_tree else ""
+            parts.append(f"k={k}{tree}, acceptance by draft position: {rates}")
             if k == "auto":
                 parts.append(f"chosen: {num_drafts_used(self.stats)}")
             parts.append(f"mean accepted length {self.stats.mean_accepted_length:.2f} tokens/step "
@@ -141,6 +145,7 @@ class Summary:
             "tokens_per_s": self.tokens_per_s,
             "graph_mode": self.graph_mode,
             "num_speculative_tokens": self.num_speculative_tokens,
+            "draft_tree": list(self.draft_tree) if self.draft_tree else None,
             "stats": stats_record(self.stats),
             "weight_format": self.weight_format,
             "cpu_kernels": decode_attention.status(),

@@ -267,7 +267,7 @@ class EngineConfig:
         """The widest depth of the draft tree: how many candidates a depth's draft slots hold (1: chains)."""
         return max(self.draft_tree) if self.draft_tree else 1
 
-    def _validate_tree(self, model_config: ModelConfig) -> None:
+    def _validate_tree(self) -> None:
         try:
             self.draft_tree = parse_tree(self.draft_tree)
         except ValueError as error:
@@ -317,7 +317,7 @@ class EngineConfig:
             )
         self.torch_dtype()
         if self.draft_tree is not None:
-            self._validate_tree(model_config)
+            self._validate_tree()
         if self.hisparse is not None:
             from .hisparse.config import HiSparseConfig
 

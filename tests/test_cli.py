@@ -84,6 +84,22 @@ def test_json_has_one_record_per_prompt_and_the_aggregate(ids_model):
     assert total["cpu_kernels"] in ("built", "not needed")  # eager needs none; "not built: <why>" would say why
 
 
+def test_draft_tree_decodes_the_same_tokens_and_says_so(ids_model):
+    def aggregate_and_tokens(*args):
+        result = invoke("--prompt-ids", "2,3,4", "--model", ids_model, "--json", "--ignore-eos", *args, *SMALL)
+        assert result.exit_code == 0, result.output
+        record, aggregate = [json.loads(line) for line in result.stdout.splitlines()]
+        return aggregate["aggregate"], record["token_ids"]
+
+    tree, tree_tokens = aggregate_and_tokens("--draft-tree", "2,2")
+    _, plain_tokens = aggregate_and_tokens("-k", "0")
+    assert tree_tokens == plain_tokens
+    assert tree["draft_tree"] == [2, 2] and tree["num_speculative_tokens"] == 2
+    assert len(tree["stats"]["acceptance_rate_per_position"]) == 2
+    line = invoke("--prompt-ids", "2,3,4", "--model", ids_model, "--draft-tree", "2,2", *SMALL).stdout.splitlines()[-1]
+    assert "| k=2 (tree 2,2), acceptance by draft position: " in line
+
+
 def test_several_prompts_print_a_header_each(ids_model):
     result = invoke("--prompt-ids", "2,3", "--prompt-ids", "7", "--model", ids_model, "-k", "0", *SMALL)
     assert result.exit_code == 0, result.output
@@ -112,6 +128,8 @@ def test_a_failed_prompt_exits_1_after_printing_the_others(ids_model):
     (["--prompt-ids", ""], "prompt 2 is empty"),
     (["--seed", "-3"], "-3"),
     (["--max-tokens", "many"], "'many'"),
+    (["--draft-tree", "2,5"], "width 5 is out of range; allowed 1..4"),
+    (["--draft-tree", "2,1", "-k", "3", "--max-seq-len", "64"], "draft_tree='2,1' is 2 deep but num_speculative_tokens=3"),
 ])
 def test_bad_input_is_one_error_line_and_exit_2(ids_model, args, named):
     result = invoke("--prompt-ids", "2,3", "--model", ids_model, *args)

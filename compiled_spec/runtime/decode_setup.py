@@ -19,7 +19,8 @@ def allocate_state(model: CausalLM, config: EngineConfig) -> DecodeState:
     device, dtype, hisparse = torch.device(config.device), config.torch_dtype(), config.hisparse
     max_drafts = config.max_drafts
     return DecodeState.allocate(
-        model.config, config.max_batch_size, config.max_seq_len, max_drafts, dtype, device, tree_width=config.tree_width,
+        model.config, config.max_batch_size, config.max_seq_len, max_drafts, dtype, device,
+        tree_width=config.tree_width,
         **(dict(hot_rows=hisparse.hot_rows, index_dims=index_key_dims(model, max_drafts),
                 cold_dtype=hisparse.cold_torch_dtype(dtype), pinned_cold_pool=hisparse.cold_pool_pinned(device))
            if hisparse else {}),

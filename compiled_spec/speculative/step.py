@@ -43,7 +43,7 @@ class StepConstants(NamedTuple):
     max_seq_len: int
     opaque_attention: bool = False
     attention: AttentionBackend = DenseAttention()  # HiSparseAttention: decode passes attend over tiered caches
-    draft_tree: tuple[int, ...] = ()  # widths per depth (speculative/tree.py): the step drafting len(draft_tree) verifies it
+    draft_tree: tuple[int, ...] = ()  # widths per depth (speculative/tree.py); the step drafting its depth verifies it
 
 
 def make_layout(
