@@ -110,9 +110,7 @@ class LLM:
                                 draft_vocab_size=draft_vocab_size, draft_dtype=getattr(torch, draft_dtype),
                                 dequantize=dequantize, quantize=quantize)
         self.model_config = self.model.config
-        if num_speculative_tokens is None and draft_tree is not None:
-            self.config.num_speculative_tokens = len(draft_tree.split(",") if isinstance(draft_tree, str) else draft_tree)
-        elif num_speculative_tokens is None:
+        if num_speculative_tokens is None and draft_tree is None:  # with a tree, validate makes k its depth
             self.config.num_speculative_tokens = default_num_speculative_tokens(
                 self.path, self.mtp_path, self.model_config.num_mtp_modules)
         self.config.validate(self.model_config)

@@ -267,11 +267,16 @@ class EngineConfig:
         """The widest depth of the draft tree: how many candidates a depth's draft slots hold (1: chains)."""
         return max(self.draft_tree) if self.draft_tree else 1
 
-    def _validate_tree(self) -> None:
+    def _parse_tree(self) -> None:
+        """Parses draft_tree; a k left unset (None) becomes the tree's depth."""
         try:
             self.draft_tree = parse_tree(self.draft_tree)
         except ValueError as error:
             raise CompiledSpecError(str(error), param="draft_tree") from None
+        if self.num_speculative_tokens is None:
+            self.num_speculative_tokens = len(self.draft_tree)
+
+    def _validate_tree(self) -> None:
         depth, spec = len(self.draft_tree), describe_tree(self.draft_tree)
         if self.auto and depth > self.max_speculative_tokens:
             raise CompiledSpecError(f"draft_tree={spec!r} is {depth} deep; with num_speculative_tokens='auto' it may "
@@ -286,6 +291,8 @@ class EngineConfig:
                                     param="draft_tree")
 
     def validate(self, model_config: ModelConfig) -> None:
+        if self.draft_tree is not None:
+            self._parse_tree()
         every = self.verify_graphs_every
         if isinstance(every, bool) or not isinstance(every, int) or every < 0:
             raise CompiledSpecError(f"verify_graphs_every={every!r} must be 0 (off) or a number of steps")

@@ -59,10 +59,15 @@ def _untruncated_probs(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.T
     return scaled.softmax(-1)
 
 
+def race(probs: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+    """The exponential race's scores p / -log u over probs [..., V]: its argmax is a sample from probs, its order a
+    draw without replacement."""
+    return probs / -torch.log(rng.uniforms(key, probs.shape[-1]))
+
+
 def race_sample(probs: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
     """Sample from probs [..., V] by the exponential race argmax(p / -log u); key [...] -> token ids [...]."""
-    u = rng.uniforms(key, probs.shape[-1])
-    return (probs / -torch.log(u)).argmax(-1)
+    return race(probs, key).argmax(-1)
 
 
 def verify_drafts(

@@ -27,7 +27,8 @@ import torch
 import torch.nn.functional as F
 
 from . import rng
-from .sampler import race_sample
+from .sampler import race, race_sample
+
 
 def leaf_nodes(widths: tuple[int, ...]) -> list[tuple[int, int]]:
     """The leaves as (depth index j, candidate index s >= 1), depth by depth: depth j+1's candidate s."""
@@ -39,9 +40,9 @@ def draft_candidates(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The draft (what race_sample(probs, key) draws) and `extra` more candidates [B, extra], indices into probs'
     vocabulary: the race's next places for sampled rows, the logits' next highest for greedy rows."""
-    race = probs / -torch.log(rng.uniforms(key, probs.shape[-1]))
-    index = race.argmax(-1)
-    scores = torch.where(greedy[:, None], logits.float(), race)
+    scores = race(probs, key)
+    index = scores.argmax(-1)
+    scores = torch.where(greedy[:, None], logits.float(), scores)
     scores = scores.scatter(-1, index[:, None], float("-inf"))
     return index, scores.topk(extra, dim=-1).indices
 
@@ -140,12 +141,7 @@ def verify_tree(
         leaf_index.append(index)
         residuals.append(p)
 
-    offsets = torch.arange(k, device=target_probs.device)
-    if k > 0:
-        chain_ok = torch.stack(chain_accepted, 1) & (offsets[None, :] < counts[:, None])
-        n = chain_ok.long().cumprod(1).sum(1)
-    else:
-        n = torch.zeros_like(first_position)
+    n = torch.stack(chain_accepted, 1).long().cumprod(1).sum(1)  # chain_accepted holds has_drafts
     # The token after the accepted path: from the bonus row when every draft was accepted, else from the residual at
     # the first rejected depth, unless a leaf there was accepted: then from the target at that leaf.
     next_probs = target_probs.gather(1, n[:, None, None].expand(batch, 1, vocab))[:, 0]
