@@ -654,8 +654,11 @@ def bench(model, graph_modes, ks, batch_sizes, anchors, out, max_tokens, prompts
     try:
         sparse = hisparse_config(hisparse, top_k_tokens, hot_rows, cold_dtype, cold_pool)
         if sparse is not None:
-            # before any cell runs; auto drafts up to the default maximum
+            # before any cell runs; auto drafts up to the default maximum, a tree verifies its leaves besides
             sparse.validate(max(DEFAULT_MAX_SPECULATIVE_TOKENS if k == "auto" else k for k in ks))
+            for tree in draft_trees:
+                sparse.validate(DEFAULT_MAX_SPECULATIVE_TOKENS if "auto" in ks else len(tree),
+                                tree_leaves=sum(width - 1 for width in tree))
     except CompiledSpecError as error:
         raise InputError(str(error)) from None
     try:

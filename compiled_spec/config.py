@@ -267,6 +267,11 @@ class EngineConfig:
         """The widest depth of the draft tree: how many candidates a depth's draft slots hold (1: chains)."""
         return max(self.draft_tree) if self.draft_tree else 1
 
+    @property
+    def tree_leaves(self) -> int:
+        """The draft tree's candidates besides the chain: the extra rows its verify pass has (0: chains)."""
+        return sum(width - 1 for width in self.draft_tree) if self.draft_tree else 0
+
     def _parse_tree(self) -> None:
         """Parses draft_tree; a k left unset (None) becomes the tree's depth."""
         try:
@@ -285,9 +290,6 @@ class EngineConfig:
         if not self.auto and self.num_speculative_tokens != depth:
             raise CompiledSpecError(f"draft_tree={spec!r} is {depth} deep but num_speculative_tokens="
                                     f"{self.num_speculative_tokens!r}; leave k out or give k={depth} or 'auto'",
-                                    param="draft_tree")
-        if self.hisparse is not None:
-            raise CompiledSpecError("draft_tree does not work with hisparse yet; use a chain (no draft_tree)",
                                     param="draft_tree")
 
     def validate(self, model_config: ModelConfig) -> None:
@@ -330,4 +332,4 @@ class EngineConfig:
 
             if not isinstance(self.hisparse, HiSparseConfig):
                 raise CompiledSpecError(f"hisparse={self.hisparse!r} must be None or a HiSparseConfig")
-            self.hisparse.validate(self.max_drafts)
+            self.hisparse.validate(self.max_drafts, tree_leaves=self.tree_leaves)

@@ -5,7 +5,6 @@ import shutil
 
 import pytest
 
-from compiled_spec import HiSparseConfig
 from compiled_spec.api import LLM
 from compiled_spec.config import MAX_SPECULATIVE_TOKENS
 from compiled_spec.errors import CompiledSpecError
@@ -204,7 +203,6 @@ def test_a_safetensors_index_naming_a_file_outside_the_checkpoint_is_rejected(ti
         (dict(draft_tree="2,1", num_speculative_tokens=3), r"draft_tree='2,1' is 2 deep but num_speculative_tokens=3"),
         (dict(draft_tree="2,1,1,1", num_speculative_tokens="auto", max_speculative_tokens=3),
          r"is 4 deep; with num_speculative_tokens='auto' it may be at most max_speculative_tokens=3 deep"),
-        (dict(draft_tree="2,1", hisparse=HiSparseConfig()), r"draft_tree does not work with hisparse yet"),
     ],
 )
 def test_bad_draft_tree(tiny_checkpoint, settings, message):

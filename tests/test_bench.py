@@ -183,6 +183,15 @@ def test_bench_rejects_a_hot_buffer_smaller_than_top_k(tmp_path):
     assert not (tmp_path / "results.json").exists()
 
 
+def test_bench_rejects_a_hot_buffer_too_small_for_a_trees_leaves(tmp_path):
+    args = ["bench", "--hisparse", "--top-k-tokens", "4", "--hot-rows", "8", "-k", "2", "--draft-tree", "2,2",
+            "--out", str(tmp_path)]
+    result = CliRunner().invoke(cli.main, args, prog_name="compiled-spec")
+    assert result.exit_code == 2
+    assert "writes up to 5 new rows per layer (num_speculative_tokens=2 and a token tree's 2 leaves)" in result.stderr
+    assert not (tmp_path / "results.json").exists()
+
+
 def test_bench_rejects_an_unknown_graph_mode():
     result = CliRunner().invoke(cli.main, ["bench", "--graph-modes", "eager,fast"], prog_name="compiled-spec")
     assert result.exit_code == 2

@@ -68,6 +68,15 @@ def test_bad_options_are_clear_errors(tiny_checkpoint, config, named):
         LLM(tiny_checkpoint("predictive").path, hisparse=config, warm_up=False, **MIRROR_ENGINE)
 
 
+def test_a_token_trees_leaves_count_against_the_hot_buffer(tiny_checkpoint):
+    tree = dict(MIRROR_ENGINE, num_speculative_tokens=None, draft_tree="2,2")
+    with pytest.raises(CompiledSpecError, match=r"hot_rows=8 is too small: a decode pass writes up to 5 new rows per "
+                                                r"layer \(num_speculative_tokens=2 and a token tree's 2 leaves\) "
+                                                r"besides the top_k_tokens=4 it reads; use hot_rows >= 9"):
+        LLM(tiny_checkpoint("predictive").path, hisparse=SATURATED, warm_up=False, **tree)
+    LLM(tiny_checkpoint("predictive").path, hisparse=dataclasses.replace(SATURATED, hot_rows=9), warm_up=False, **tree)
+
+
 @pytest.mark.parametrize("cold_pool, device, pinned", [
     ("auto", "cuda", True), ("host", "cuda", True), ("device", "cuda", False),
     ("auto", "cpu", False), ("host", "cpu", False), ("device", "cpu", False),

@@ -12,9 +12,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from compiled_spec import LLM
+from compiled_spec import LLM, HiSparseConfig
 from compiled_spec.runtime.graph_modes import graphs_made
 from test_graph_modes import run_workload, workload  # noqa: F401 (a fixture)
+from test_hisparse import fused_op_calls
 
 TREE = (2, 2)
 ENGINE = dict(max_batch_size=4, max_seq_len=64, batch_buckets=(4,), prefill_buckets=(16,))
@@ -47,3 +48,42 @@ def test_greedy_tree_output_equals_plain_decoding_and_the_leaves_are_used(worklo
     assert tree_tokens == plain_tokens == chain_tokens
     # The same tokens in fewer steps: some paths ended on a leaf where the chain's draft was rejected.
     assert len(tree_steps) < len(chain_steps), (len(tree_steps), len(chain_steps))
+
+
+# --- with HiSparse ---------------------------------------------------------------------------------------------
+
+# Each query reads 4 past tokens; the hot buffer's 16 rows hold fewer than a request's 20-50 positions, so steps evict
+# and swap rows in from the cold pool, and a rejected draft's hot row often outlives the step that accepted a leaf in
+# its place (the test below fails if the leaf's hot row or its index key is not moved).
+SPARSE = HiSparseConfig(top_k_tokens=4, hot_rows=16)
+
+
+@pytest.fixture(scope="module")
+def sparse_eager_result(workload):
+    path, prompts = workload
+    return run_workload(LLM(path, graph_mode="eager", draft_tree=TREE, hisparse=SPARSE, **ENGINE), prompts)
+
+
+def test_with_hisparse_greedy_tree_output_equals_plain_decoding_and_the_leaves_are_used(workload, sparse_eager_result):
+    path, prompts = workload
+    plain_tokens, _ = run_workload(LLM(path, graph_mode="eager", num_speculative_tokens=0, hisparse=SPARSE, **ENGINE),
+                                   prompts)
+    chain_tokens, chain_steps = run_workload(LLM(path, graph_mode="eager", num_speculative_tokens=len(TREE),
+                                                 hisparse=SPARSE, **ENGINE), prompts)
+    dense_tokens, _ = run_workload(LLM(path, graph_mode="eager", num_speculative_tokens=0, **ENGINE), prompts)
+    tree_tokens, tree_steps = sparse_eager_result
+    assert tree_tokens == plain_tokens == chain_tokens
+    assert tree_tokens != dense_tokens  # four past tokens per query do change the text
+    assert len(tree_steps) < len(chain_steps), (len(tree_steps), len(chain_steps))
+
+
+def test_with_hisparse_full_equals_eager_without_recompiles(workload, sparse_eager_result):
+    path, prompts = workload
+    llm = LLM(path, graph_mode="full", draft_tree=TREE, hisparse=SPARSE, show_progress=False, compile_workers=1,
+              **ENGINE)
+    warm_up_graphs = graphs_made(llm.engine.runner)
+    with torch.compiler.set_stance("fail_on_recompile"):
+        result, calls = fused_op_calls(lambda: run_workload(llm, prompts))
+    assert result == sparse_eager_result
+    assert calls == 3 * len(result[1])  # the fused sparse attention: the main layer and both draft depths, every step
+    assert warm_up_graphs > 0 and graphs_made(llm.engine.runner) == warm_up_graphs

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from .config import HiSparseConfig
-from .tiers import LayerTiers, layer_tiers, mirror_new_rows, reset_hot_rows, tier_field_names
+from .tiers import LayerTiers, layer_tiers, mirror_new_rows, move_row, reset_hot_rows, tier_field_names
 
 
 @dataclass(frozen=True)
@@ -35,6 +35,10 @@ class HiSparseAttention:
         # The draft mirror: this depth's new rows reach its cold pool before any later pass reads them.
         mirror_new_rows(tiers, state.draft_keys[depth - 1], state.draft_values[depth - 1], slot_ids,
                         layout.write_index, state.trash_position)
+
+    def after_row_moved(self, state, tiers: list[LayerTiers], slot_ids, source, target) -> None:
+        for tiers_of_layer in tiers:
+            move_row(tiers_of_layer, slot_ids, source, target)
 
     def reset_slot(self, state, slot: torch.Tensor) -> None:
         reset_hot_rows(state.hisparse, slot)

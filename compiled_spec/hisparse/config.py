@@ -36,7 +36,8 @@ class HiSparseConfig:
     cold_pool: str = "auto"
     draft_mirror: bool = True
 
-    def validate(self, num_speculative_tokens: int) -> None:
+    def validate(self, num_speculative_tokens: int, tree_leaves: int = 0) -> None:
+        """tree_leaves: a token tree's extra verify rows (speculative/tree.py), 0 for chains."""
         top_k, hot = self.top_k_tokens, self.hot_rows
         if not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 1:
             raise CompiledSpecError(f"top_k_tokens={top_k!r} is out of range; it must be an integer of at least 1")
@@ -46,12 +47,13 @@ class HiSparseConfig:
             raise CompiledSpecError(
                 f"hot_rows={hot} is smaller than top_k_tokens={top_k}; the hot buffer must hold one query's selection"
             )
-        width = decode_pass_width(num_speculative_tokens)
+        width = decode_pass_width(num_speculative_tokens, tree_leaves)
         if hot < top_k + width:
+            drafts = f"num_speculative_tokens={num_speculative_tokens}" + (
+                f" and a token tree's {tree_leaves} leaves" if tree_leaves else "")
             raise CompiledSpecError(
                 f"hot_rows={hot} is too small: a decode pass writes up to {width} new rows per layer "
-                f"(num_speculative_tokens={num_speculative_tokens}) besides the top_k_tokens={top_k} it reads; "
-                f"use hot_rows >= {top_k + width}"
+                f"({drafts}) besides the top_k_tokens={top_k} it reads; use hot_rows >= {top_k + width}"
             )
         if self.scorer not in SCORERS:
             raise CompiledSpecError(f"scorer={self.scorer!r} is not known; choose one of: {', '.join(SCORERS)}")
@@ -70,7 +72,8 @@ class HiSparseConfig:
         return engine_dtype if self.cold_dtype is None else getattr(torch, self.cold_dtype)
 
 
-def decode_pass_width(num_speculative_tokens: int) -> int:
-    """Rows the widest decode pass writes per layer: verify writes k+1, draft depth k re-runs 2k (draft-extend)."""
+def decode_pass_width(num_speculative_tokens: int, tree_leaves: int = 0) -> int:
+    """Rows the widest decode pass writes per layer: verify writes k+1 (and a tree's leaves), draft depth k re-runs 2k
+    (draft-extend)."""
     k = num_speculative_tokens
-    return max(k + 1, 2 * k)
+    return max(k + 1 + tree_leaves, 2 * k)

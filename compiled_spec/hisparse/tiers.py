@@ -80,6 +80,18 @@ def reset_hot_rows(hisparse: HiSparseState, slot: torch.Tensor) -> None:
         tiers.hot_last_used.index_copy_(0, slot, last_used)
 
 
+def move_row(tiers: LayerTiers, slot_ids, source, target) -> None:
+    """The cold pool's row at position `source` [B] was copied to `target` [B] (a token tree's accepted leaf, from its
+    scratch row): its index key follows, and so does its hot row, which now holds `target`; a hot row that held
+    `target` (the rejected draft's) is emptied, so no later read finds it."""
+    moves = (source != target)[:, None]
+    tiers.index_keys.index_put_((slot_ids, target), tiers.index_keys[slot_ids, source])
+    positions = tiers.hot_positions[slot_ids]
+    moved = torch.where(moves & (positions == target[:, None]), -1, positions)
+    moved = torch.where(moves & (positions == source[:, None]), target[:, None], moved)
+    tiers.hot_positions.index_copy_(0, slot_ids, moved)
+
+
 def mirror_new_rows(tiers: LayerTiers, cold_keys, cold_values, slot_ids, write_index, trash_position: int) -> None:
     """Backs up the rows a pass wrote into the hot buffer to the cold pool (rows that went nowhere go to the trash)."""
     write_positions = torch.where(write_index != trash_position, write_index, -1)

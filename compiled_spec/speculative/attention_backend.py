@@ -31,6 +31,10 @@ class AttentionBackend(Protocol):
     def after_draft_pass(self, state, tiers, depth: int, layout, slot_ids: torch.Tensor) -> None:
         """Draft depth `depth` wrote its new rows."""
 
+    def after_row_moved(self, state, tiers, slot_ids: torch.Tensor, source: torch.Tensor, target: torch.Tensor) -> None:
+        """A token tree's accepted leaf: its row moved from cache position `source` to `target` [B] in every main layer
+        (rows where the two are equal moved nothing)."""
+
     def reset_slot(self, state, slot: torch.Tensor) -> None:
         """A prefill starts a new request in `slot` [1]."""
 
@@ -52,6 +56,9 @@ class DenseAttention:
         pass
 
     def after_draft_pass(self, state, tiers, depth: int, layout, slot_ids: torch.Tensor) -> None:
+        pass
+
+    def after_row_moved(self, state, tiers, slot_ids: torch.Tensor, source: torch.Tensor, target: torch.Tensor) -> None:
         pass
 
     def reset_slot(self, state, slot: torch.Tensor) -> None:

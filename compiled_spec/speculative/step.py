@@ -277,7 +277,7 @@ def speculative_step(model: CausalLM, state: DecodeState, constants: StepConstan
             target_probs[:, : k + 1], target_probs[:, k + 1 :], state.draft_probs[:batch_size, :k], drafts, leaf_tokens,
             tree, temperature == 0, seeds, seq_lens, verified)
         hidden = end_on_leaf(state, rows, hidden[:, : k + 1], hidden[:, k + 1 :], accepted, on_leaf & active, leaf,
-                             first_row, scratch)
+                             first_row, scratch, constants.attention, tiers)
     else:
         accepted, next_token = verify_drafts(target_probs, state.draft_probs[:batch_size, :k], drafts, seeds, seq_lens,
                                              verified)

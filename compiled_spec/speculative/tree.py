@@ -17,8 +17,9 @@ widths are all 1 verifies exactly as the chain does.
 
 A leaf's key and value are written to a scratch row of the main caches past every position (DecodeState
 .scratch_row); it attends to its parent's prefix and to its own row. When a leaf is accepted, its rows are copied to
-its position in every main layer, and the draft-extend reads its hidden state: draft depths re-run over verified rows
-every step, so their caches need no move.
+its position in every main layer (with HiSparse, its index key and its hot row follow, and the rejected draft's hot
+row is emptied), and the draft-extend reads its hidden state: draft depths re-run over verified rows every step, so
+their caches need no move.
 """
 
 from __future__ import annotations
@@ -77,15 +78,18 @@ def tree_layout(layout, scratch: torch.Tensor, active: torch.Tensor, capacity: i
     return layout._replace(write_index=write_index, attend=attend)
 
 
-def end_on_leaf(state, rows, chain_hidden, leaf_hidden, accepted, on_leaf, leaf, first_row, scratch) -> torch.Tensor:
+def end_on_leaf(state, rows, chain_hidden, leaf_hidden, accepted, on_leaf, leaf, first_row, scratch, attention,
+                tiers) -> torch.Tensor:
     """Where a row's path ends on a leaf (on_leaf [B], its index `leaf` [B]): copies the leaf's key and value rows from
-    its scratch row to its position in every main layer, and returns the chain's hidden states [B, k+1, H] with the
-    leaf's in its place (the draft-extend reads them)."""
+    its scratch row to its position in every main layer (and has the attention backend follow: HiSparse's index keys
+    and hot rows), and returns the chain's hidden states [B, k+1, H] with the leaf's in its place (the draft-extend
+    reads them)."""
     trash = state.trash_position
     source = torch.where(on_leaf, scratch[leaf], trash)
     target = torch.where(on_leaf, first_row + accepted, trash)
     for cache in state.main_keys + state.main_values:
         cache.index_put_((rows, target), cache[rows, source])
+    attention.after_row_moved(state, tiers, rows, source, target)
     chosen = leaf_hidden.gather(1, leaf[:, None, None].expand(-1, 1, leaf_hidden.shape[-1]))
     offsets = torch.arange(chain_hidden.shape[1], device=rows.device)
     return torch.where(((offsets[None, :] == accepted[:, None]) & on_leaf[:, None])[..., None], chosen, chain_hidden)
