@@ -1,5 +1,6 @@
 """The evaluation command's metrics, on a tiny checkpoint whose MTP modules mimic the main model."""
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -31,3 +32,19 @@ def test_acceptance_reports_every_draft_position(tiny_checkpoint):
     assert len(rates) == 2 and rates[0] >= rates[1]
     assert 1.0 <= result["mean_accepted_length"] <= 3.0
     assert abs(result["mean_accepted_length"] - (1 + sum(rates))) < 1e-9
+
+
+def test_acceptance_files_gain_shapes_measured_with_the_same_settings_and_refuse_others():
+    from compiled_spec.training.mtp_acceptance import merged
+
+    settings = dict(model="m", mtp="dir", max_tokens=64, prompts_per_domain=32, greedy=True, draft_dtype="float16")
+    earlier = dict(settings, by_draft_vocab_size={"8192": {"chain k=2": {"mixed": 2.0}, "tree 2,1": {"mixed": 2.1}}})
+    later = dict(settings, by_draft_vocab_size={"8192": {"tree 2,1": {"mixed": 2.2}, "tree 4,2,2": {"mixed": 2.6}},
+                                                "4096": {"chain k=2": {"mixed": 1.9}}})
+    assert merged(earlier, later)["by_draft_vocab_size"] == {
+        "8192": {"chain k=2": {"mixed": 2.0}, "tree 2,1": {"mixed": 2.2}, "tree 4,2,2": {"mixed": 2.6}},
+        "4096": {"chain k=2": {"mixed": 1.9}},
+    }
+    assert earlier["by_draft_vocab_size"]["8192"]["tree 2,1"] == {"mixed": 2.1}  # the earlier file's dict is kept
+    with pytest.raises(ValueError, match=r"other settings \(max_tokens: 64 there, 128 here\); give another --json file"):
+        merged(earlier, dict(later, max_tokens=128))

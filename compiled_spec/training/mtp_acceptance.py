@@ -5,7 +5,8 @@
         [--json evaluation.json]
 
 Each chain (-k) and token tree (--draft-tree) is measured per domain and on all domains together ("mixed": tokens
-per step over every step of the three).
+per step over every step of the three). An existing --json file measured with the same settings (model, modules,
+prompts, tokens, draft dtype) gains this run's shapes; a shape it had is replaced.
 
 The prompts come from the parts of each domain that training never sees (mtp_corpus): openings of held-out
 standard-library functions, passages of held-out plays, and held-out chat prompts in the chat template.
@@ -75,6 +76,23 @@ def mixed(rows: list[dict]) -> dict:
             "equals_k0": all(row["equals_k0"] for row in rows)}
 
 
+SETTINGS = ("model", "mtp", "max_tokens", "prompts_per_domain", "greedy", "draft_dtype")
+
+
+def merged(earlier: dict, results: dict) -> dict:
+    """results added to an earlier file's: per draft vocabulary, this run's shapes replace or join the earlier ones.
+    Raises ValueError naming the settings that differ (the two runs' figures would not be comparable)."""
+    differ = [f"{name}: {earlier.get(name)!r} there, {results.get(name)!r} here" for name in SETTINGS
+              if earlier.get(name) != results.get(name)]
+    if differ:
+        raise ValueError("was measured with other settings (" + "; ".join(differ) + "); give another --json file")
+    combined = {**earlier, "by_draft_vocab_size": {size: dict(shapes) for size, shapes in
+                                                   earlier["by_draft_vocab_size"].items()}}
+    for size, shapes in results["by_draft_vocab_size"].items():
+        combined["by_draft_vocab_size"].setdefault(size, {}).update(shapes)
+    return combined
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--mtp", type=Path, required=True, help="a directory train-mtp wrote")
@@ -119,6 +137,13 @@ def main() -> None:
             rows["mixed"] = mixed(list(rows.values()))
             print(f"draft vocab {label:>6} {name:>12} mixed: " + summary(rows["mixed"]), flush=True)
     if args.json:
+        if args.json.exists():
+            try:
+                results = merged(json.loads(args.json.read_text()), results)
+            except ValueError as error:
+                fallback = args.json.with_suffix(".new.json")
+                fallback.write_text(json.dumps(results, indent=2) + "\n")
+                parser.exit(2, f"error: {args.json} {error}; this run's results are in {fallback}\n")
         args.json.write_text(json.dumps(results, indent=2) + "\n")
 
 
