@@ -15,6 +15,7 @@ import torch
 from compiled_spec import LLM, HiSparseConfig
 from compiled_spec.runtime.graph_modes import graphs_made
 from test_graph_modes import run_workload, workload  # noqa: F401 (a fixture)
+from faults import prefilling_in_eager
 from test_hisparse import fused_op_calls
 
 TREE = (2, 2)
@@ -31,7 +32,10 @@ def eager_result(workload):
 @pytest.mark.parametrize("mode", ["compile", "full"])
 def test_tree_steps_equal_eager_in_every_mode_without_recompiles(workload, eager_result, mode):
     path, prompts = workload
-    llm = LLM(path, graph_mode=mode, draft_tree=TREE, show_progress=False, compile_workers=1, **ENGINE)
+    llm = LLM(path, graph_mode=mode, draft_tree=TREE, warm_up=False, **ENGINE)
+    if mode == "compile":  # the step alone: full compiles the tree's prefill (it writes draft_leaves) as well
+        prefilling_in_eager(llm.engine.runner)
+    llm.engine.startup.warm_up(show_progress=False)
     warm_up_graphs = graphs_made(llm.engine.runner)
     with torch.compiler.set_stance("fail_on_recompile"):
         result = run_workload(llm, prompts)
@@ -79,8 +83,11 @@ def test_with_hisparse_greedy_tree_output_equals_plain_decoding_and_the_leaves_a
 
 def test_with_hisparse_full_equals_eager_without_recompiles(workload, sparse_eager_result):
     path, prompts = workload
-    llm = LLM(path, graph_mode="full", draft_tree=TREE, hisparse=SPARSE, show_progress=False, compile_workers=1,
-              **ENGINE)
+    # Only the step differs from a chain's with HiSparse (whose prefill graph test_hisparse compiles) and from the
+    # dense tree's (the test above): prefill in eager, and compile the step alone.
+    llm = LLM(path, graph_mode="full", draft_tree=TREE, hisparse=SPARSE, warm_up=False, **ENGINE)
+    prefilling_in_eager(llm.engine.runner)
+    llm.engine.startup.warm_up(show_progress=False)
     warm_up_graphs = graphs_made(llm.engine.runner)
     with torch.compiler.set_stance("fail_on_recompile"):
         result, calls = fused_op_calls(lambda: run_workload(llm, prompts))
