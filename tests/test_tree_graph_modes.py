@@ -1,5 +1,5 @@
-"""Token trees under graph capture: compile and full equal eager in tokens and in every step's accepted path, with
-no recompile, and greedy output equals plain decoding's.
+"""Token trees under graph capture: compile, piecewise (forced graph partitions on CPU) and full equal eager in tokens
+and in every step's accepted path, with no recompile, also with HiSparse; greedy output equals plain decoding's.
 
 The workload of test_graph_modes.py (more requests than slots, mixed prompt lengths, prompts past the prefill
 bucket) with the tree (2, 2). The tokens and accepted count of each step fix the path it took (a chain node or a
@@ -20,7 +20,7 @@ from test_hisparse import fused_op_calls
 
 TREE = (2, 2)
 ENGINE = dict(max_batch_size=4, max_seq_len=64, batch_buckets=(4,), prefill_buckets=(16,))
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("tree_engines")]
+pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
@@ -29,11 +29,11 @@ def eager_result(workload):
     return run_workload(LLM(path, graph_mode="eager", draft_tree=TREE, **ENGINE), prompts)
 
 
-@pytest.mark.parametrize("mode", ["compile", "full"])
+@pytest.mark.parametrize("mode", ["compile", "piecewise", "full"])
 def test_tree_steps_equal_eager_in_every_mode_without_recompiles(workload, eager_result, mode):
     path, prompts = workload
     llm = LLM(path, graph_mode=mode, draft_tree=TREE, warm_up=False, **ENGINE)
-    if mode == "compile":  # the step alone: full compiles the tree's prefill (it writes draft_leaves) as well
+    if mode != "full":  # the step alone: full compiles the tree's prefill (it writes draft_leaves) as well
         prefilling_in_eager(llm.engine.runner)
     llm.engine.startup.warm_up(show_progress=False)
     warm_up_graphs = graphs_made(llm.engine.runner)
