@@ -14,13 +14,13 @@ import torch
 
 from compiled_spec import LLM, HiSparseConfig
 from compiled_spec.runtime.graph_modes import graphs_made
-from test_graph_modes import run_workload, workload  # noqa: F401 (a fixture)
 from faults import prefilling_in_eager
+from test_graph_modes import run_workload, workload  # noqa: F401 (a fixture)
 from test_hisparse import fused_op_calls
 
 TREE = (2, 2)
 ENGINE = dict(max_batch_size=4, max_seq_len=64, batch_buckets=(4,), prefill_buckets=(16,))
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("tree_engines")]
 
 
 @pytest.fixture(scope="module")
