@@ -644,6 +644,7 @@ def bench(model, graph_modes, ks, batch_sizes, anchors, out, max_tokens, prompts
         raise click.BadParameter("batch sizes must be positive", param_hint="'--batch-sizes'")
     from compiled_spec import CompiledSpecError
     from compiled_spec.api import DEFAULT_MODEL
+    from compiled_spec.config import tree_leaves
     from compiled_spec.registry import resolve_model
 
     try:
@@ -660,7 +661,7 @@ def bench(model, graph_modes, ks, batch_sizes, anchors, out, max_tokens, prompts
             sparse.validate(max(DEFAULT_MAX_SPECULATIVE_TOKENS if k == "auto" else k for k in ks))
             for tree in draft_trees:
                 sparse.validate(DEFAULT_MAX_SPECULATIVE_TOKENS if "auto" in ks else len(tree),
-                                tree_leaves=sum(width - 1 for width in tree))
+                                tree_leaves=tree_leaves(tree))
     except CompiledSpecError as error:
         raise InputError(str(error)) from None
     try:

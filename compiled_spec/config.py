@@ -230,6 +230,11 @@ def describe_tree(widths: tuple[int, ...]) -> str:
     return ",".join(str(width) for width in widths)
 
 
+def tree_leaves(widths: tuple[int, ...] | None) -> int:
+    """A tree's candidates besides the chain: the extra rows its verify pass has (0 for a chain, None)."""
+    return sum(width - 1 for width in widths) if widths else 0
+
+
 @dataclass(slots=True)
 class EngineConfig:
     num_speculative_tokens: int | str = 3  # or "auto": chosen per step, 0..max_speculative_tokens
@@ -266,11 +271,6 @@ class EngineConfig:
     def tree_width(self) -> int:
         """The widest depth of the draft tree: how many candidates a depth's draft slots hold (1: chains)."""
         return max(self.draft_tree) if self.draft_tree else 1
-
-    @property
-    def tree_leaves(self) -> int:
-        """The draft tree's candidates besides the chain: the extra rows its verify pass has (0: chains)."""
-        return sum(width - 1 for width in self.draft_tree) if self.draft_tree else 0
 
     def _parse_tree(self) -> None:
         """Parses draft_tree; a k left unset (None) becomes the tree's depth."""
@@ -332,4 +332,4 @@ class EngineConfig:
 
             if not isinstance(self.hisparse, HiSparseConfig):
                 raise CompiledSpecError(f"hisparse={self.hisparse!r} must be None or a HiSparseConfig")
-            self.hisparse.validate(self.max_drafts, tree_leaves=self.tree_leaves)
+            self.hisparse.validate(self.max_drafts, tree_leaves=tree_leaves(self.draft_tree))
