@@ -37,40 +37,49 @@ def cell_buckets(choice: str, mode: str, batch: int, prompt_ids: list, max_seq_l
     return (batch,), tuple(sorted(used or {ladder[0]}))
 
 
+def drafts_label(drafts) -> str:
+    """A chain's k ("2"), or "tree" for the token tree's step."""
+    return "tree" if drafts.tree else str(drafts.k)
+
+
 def fixed_k_in_the_same_process(llm, prompt_ids: list, params, repeats: int) -> dict:
-    """k = auto against each k it chooses from, forced, on the same engine and graphs in this process (tokens/s
-    of separate processes differ by more than the chooser's margins on this kind of machine); runs interleaved,
-    best of `repeats` each."""
+    """k = auto against each chain (and tree) it chooses from, forced, on the same engine and graphs in this process
+    (tokens/s of separate processes differ by more than the chooser's margins on this kind of machine); runs
+    interleaved, best of `repeats` each."""
     from compiled_spec import SamplingParams
-    from compiled_spec.runtime.draft_chooser import DraftLengthChooser
 
-    class Forced(DraftLengthChooser):
-        def __init__(self, k: int):
-            super().__init__(chooser.max_drafts)
-            self.k = k
+    class Forced:
+        """Chooses one chain or the tree every step and learns nothing."""
 
-        def choose(self, bucket: int) -> int:
-            return self.k
+        def __init__(self, drafts):
+            self.drafts = drafts
+
+        def choose(self, bucket: int):
+            return self.drafts
+
+        def observe_step(self, *args) -> None:
+            pass
 
     engine = llm.engine
     chooser = engine.chooser
     best: dict[str, float] = {}
     try:
         for _ in range(repeats):
-            for k in [*range(chooser.max_drafts + 1), "auto"]:
-                engine.chooser = chooser if k == "auto" else Forced(k)
+            for drafts in [*chooser.candidates, "auto"]:
+                engine.chooser = chooser if drafts == "auto" else Forced(drafts)
+                label = "auto" if drafts == "auto" else drafts_label(drafts)
                 # Untimed: a request is admitted with the k of the step before, which is now this run's own.
                 llm.generate(prompt_ids[:1], SamplingParams(max_tokens=2, ignore_eos=True))
                 start = time.perf_counter()
                 outputs = llm.generate(prompt_ids, params)
                 rate = sum(len(o.token_ids) for o in outputs) / (time.perf_counter() - start)
-                best[str(k)] = max(best.get(str(k), 0.0), rate)
+                best[label] = max(best.get(label, 0.0), rate)
     finally:
         engine.chooser = chooser
-    fixed = {k: rate for k, rate in best.items() if k != "auto"}
-    best_k = max(fixed, key=fixed.get)
-    return {"same_process_tokens_per_s": best, "same_process_best_fixed_k": int(best_k),
-            "same_process_auto_over_best_fixed_k": best["auto"] / fixed[best_k]}
+    fixed = {label: rate for label, rate in best.items() if label != "auto"}
+    best_fixed = max(fixed, key=fixed.get)
+    return {"same_process_tokens_per_s": best, "same_process_best_fixed_k": best_fixed,
+            "same_process_auto_over_best_fixed_k": best["auto"] / fixed[best_fixed]}
 
 
 def measure_engine(spec: dict) -> dict:
@@ -144,11 +153,14 @@ def measure_engine(spec: dict) -> dict:
         "accepted_per_position": stats.accepted_per_position,
         "acceptance_rate_per_position": stats.acceptance_rate_per_position,
         "mean_accepted_length": stats.mean_accepted_length if k else 1.0,
-        # k = auto: steps per k chosen, and the estimates it chose from (seconds per step by k, acceptance).
+        # k = auto: steps per k chosen (tree_steps: those that verified the tree), and the estimates it chose from
+        # (seconds per step of each chain and the tree, acceptance).
         "steps_per_num_drafts": {str(key): count for key, count in sorted(stats.steps_per_num_drafts.items())},
-        "auto_step_seconds": {str(key): seconds for (_, key), seconds in sorted(engine.chooser.seconds.items())}
-        if engine.chooser else None,
+        "tree_steps": stats.tree_steps,
+        "auto_step_seconds": {drafts_label(key): seconds
+                              for (_, key), seconds in sorted(engine.chooser.seconds.items())} if engine.chooser else None,
         "auto_acceptance_estimate": list(engine.chooser.acceptance) if engine.chooser else None,
+        "auto_tree_acceptance_estimate": list(engine.chooser.tree_acceptance) if engine.chooser else None,
         "warmup_s": engine.startup.warmup_seconds,
         "setup_s": setup_s,
         "graphs_compiled_while_timed": graphs_made(engine.runner) - graphs_before,

@@ -81,8 +81,8 @@ class LLM:
         GGUF file of that type would be; rows that are not whole 32-value blocks, and the MTP modules, stay float.
         draft_tree: a token tree, one width per draft depth ("2,2,1" or (2, 2, 1)): at each depth the main model
         verifies that many of the draft module's top candidates, the first continuing the chain and the others as
-        leaves (speculative/tree.py). Its depth is k (default k: the tree's depth); with "auto", the k equal to its
-        depth verifies the tree and smaller k verify chains."""
+        leaves (speculative/tree.py). Its depth is k (default k: the tree's depth); with "auto", each step chooses the
+        tree or a chain of 0..max_speculative_tokens drafts."""
         self.path = resolve_model(model) or DEFAULT_MODEL
         mtp = mtp if mtp is not None else shipped_mtp_modules(self.path)
         self.mtp_path = None if mtp is None else Path(mtp)

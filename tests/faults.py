@@ -10,11 +10,11 @@ from compiled_spec.speculative.state import DecodeState
 from compiled_spec.speculative.step import speculative_step
 
 
-def step_with_positions_in_python(model, state, constants, batch_size, k):
+def step_with_positions_in_python(model, state, constants, batch_size, k, tree=False):
     """The real step, except that the advanced lengths are handed back instead of written into seq_lens."""
     scratch = DecodeState(**{f.name: getattr(state, f.name) for f in fields(state)})
     scratch.seq_lens = state.seq_lens.clone()
-    speculative_step(model, scratch, constants, batch_size, k)
+    speculative_step(model, scratch, constants, batch_size, k, tree)
     return scratch.seq_lens
 
 
@@ -32,13 +32,13 @@ class PositionsInPythonRunner(StepRunner):
     Eager code reads the new tensor; a captured graph keeps reading the buffer it was captured with.
     """
 
-    def __init__(self, model, state, constants, mode, draft_lengths, passes=None):
-        super().__init__(model, state, constants, mode, draft_lengths, passes=passes,
+    def __init__(self, model, state, constants, mode, step_drafts, passes=None):
+        super().__init__(model, state, constants, mode, step_drafts, passes=passes,
                          step_function=step_with_positions_in_python)
         prefilling_in_eager(self)  # the fault is in the step
 
-    def step(self, batch_size: int, k: int):
-        self.state.seq_lens = super().step(batch_size, k).clone()
+    def step(self, batch_size: int, drafts):
+        self.state.seq_lens = super().step(batch_size, drafts).clone()
 
 
 def without_draft_mirror(config):
@@ -48,9 +48,9 @@ def without_draft_mirror(config):
     return dataclasses.replace(config, draft_mirror=False)
 
 
-def step_without_draft_counts(model, state, constants, batch_size, k):
+def step_without_draft_counts(model, state, constants, batch_size, k, tree=False):
     """The real step, except that the per-slot count of valid drafts is written into a copy: after a step that
     drafted fewer than K, the slots past its drafts still count as valid, so stale drafts get verified."""
     scratch = DecodeState(**{f.name: getattr(state, f.name) for f in fields(state)})
     scratch.draft_counts = state.draft_counts.clone()
-    speculative_step(model, scratch, constants, batch_size, k)
+    speculative_step(model, scratch, constants, batch_size, k, tree)

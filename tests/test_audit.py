@@ -127,7 +127,7 @@ def faulty_engine(path, mode: GraphMode, passes):
     llm = LLM(path, graph_mode=mode, warm_up=False, **ENGINE)
     engine = llm.engine
     engine.runner = PositionsInPythonRunner(llm.model, engine.state, engine.constants, mode,
-                                            engine.runner.draft_lengths, passes=passes)
+                                            engine.runner.step_drafts, passes=passes)
     return llm
 
 

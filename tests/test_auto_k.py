@@ -17,6 +17,7 @@ from compiled_spec import LLM, SamplingParams
 from compiled_spec.config import GraphMode
 from compiled_spec.runtime.draft_chooser import DraftLengthChooser
 from compiled_spec.runtime.graph_modes import StepRunner, graphs_made
+from compiled_spec.speculative.step import Drafts
 from faults import step_without_draft_counts
 from test_audit import audit_failure
 from test_sampling_lossless import GOOD_P, PROMPT, exact_joint, goodness_of_fit
@@ -29,13 +30,15 @@ PROMPT_LENGTHS = [3, 17, 5, 9, 30, 1, 12, 7]
 
 
 class ScheduledChooser(DraftLengthChooser):
-    """Chooses k from a fixed cycle instead of from estimates."""
+    """Chooses from a fixed cycle of chains (k) and trees (Drafts(depth, tree=True)) instead of from estimates."""
 
-    def __init__(self, schedule: list[int]):
-        super().__init__(max(schedule))
+    def __init__(self, schedule: list[int | Drafts]):
+        schedule = [Drafts(entry) if isinstance(entry, int) else entry for entry in schedule]
+        super().__init__(max(drafts.k for drafts in schedule),
+                         tree_depth=next((drafts.k for drafts in schedule if drafts.tree), None))
         self.schedule = itertools.cycle(schedule)
 
-    def choose(self, bucket: int) -> int:
+    def choose(self, bucket: int) -> Drafts:
         return next(self.schedule)
 
 
@@ -189,13 +192,13 @@ def test_auto_with_drafts_that_are_never_accepted_chooses_k0(tiny_checkpoint):
 
 def test_the_chooser_maximizes_expected_tokens_per_second():
     chooser = DraftLengthChooser(3)
-    chooser.seconds = {(1, k): 1.0 + 0.2 * k for k in range(4)}
+    chooser.seconds = {(1, Drafts(k)): 1.0 + 0.2 * k for k in range(4)}
     chooser.acceptance = [0.9, 0.8, 0.7]  # expected tokens 1, 1.9, 2.62, 3.12 -> per second 1, 1.58, 1.87, 1.95
-    assert chooser.choose(1) == 3
+    assert chooser.choose(1) == Drafts(3)
     chooser.acceptance = [0.5, 0.3, 0.1]  # 1, 1.5, 1.65, 1.665 -> 1, 1.25, 1.18, 1.04
-    assert chooser.choose(1) == 1
+    assert chooser.choose(1) == Drafts(1)
     chooser.acceptance = [0.1, 0.1, 0.1]
-    assert chooser.choose(1) == 0
+    assert chooser.choose(1) == Drafts(0)
     chooser.observe_acceptance(verified=2, accepted=2)  # both hits; position 3 was not verified
     assert chooser.acceptance[2] == 0.1 and chooser.acceptance[0] > 0.1
 
@@ -204,17 +207,17 @@ def test_the_chooser_keeps_its_k_until_another_is_clearly_faster():
     """Within switch_margin (3%) of the best, the last k of the bucket stays: a switch up finds stale rows in the
     depths the smaller k did not run."""
     chooser = DraftLengthChooser(2)
-    chooser.seconds = {(1, 0): 1.0, (1, 1): 1.5, (1, 2): 2.0}
+    chooser.seconds = {(1, Drafts(0)): 1.0, (1, Drafts(1)): 1.5, (1, Drafts(2)): 2.0}
     chooser.acceptance = [0.6, 0.0]  # per second: 1, 1.067, 0.8
-    assert chooser.choose(1) == 1
+    assert chooser.choose(1) == Drafts(1)
     chooser.acceptance = [0.52, 0.0]  # 1, 1.013: k=0 is faster, but by less than 3%
-    assert chooser.choose(1) == 1
-    chooser.seconds.update({(8, 0): 1.0, (8, 1): 3.0, (8, 2): 4.0})  # each bucket keeps its own k
-    assert chooser.choose(8) == 0 and chooser.choose(1) == 1
+    assert chooser.choose(1) == Drafts(1)
+    chooser.seconds.update({(8, Drafts(0)): 1.0, (8, Drafts(1)): 3.0, (8, Drafts(2)): 4.0})  # a k per bucket
+    assert chooser.choose(8) == Drafts(0) and chooser.choose(1) == Drafts(1)
     chooser.acceptance = [0.4, 0.0]  # 1, 0.933: k=0 is 7% faster
-    assert chooser.choose(1) == 0
+    assert chooser.choose(1) == Drafts(0)
     chooser.acceptance = [0.52, 0.0]
-    assert chooser.choose(1) == 0
+    assert chooser.choose(1) == Drafts(0)
 
 
 def test_sampled_tokens_keep_the_target_distribution_while_k_switches(tiny_checkpoint):
@@ -238,7 +241,7 @@ def test_a_stale_draft_count_is_caught(prompts, plain_tokens, eager_switching):
     llm = scheduled(LLM(path, graph_mode="eager", **ENGINE))
     engine = llm.engine
     engine.runner = StepRunner(llm.model, engine.state, engine.constants, GraphMode.EAGER,
-                               step_function=step_without_draft_counts, draft_lengths=tuple(range(K + 1)))
+                               step_function=step_without_draft_counts, step_drafts=tuple(map(Drafts, range(K + 1))))
     records = record_steps(llm)
     k_before = engine.last_num_drafts
     outputs = llm.generate(texts, GREEDY)
@@ -247,33 +250,57 @@ def test_a_stale_draft_count_is_caught(prompts, plain_tokens, eager_switching):
     assert lane_counts(records) != lane_counts(eager_switching[1])
 
     compiled = StepRunner(llm.model, engine.state, engine.constants, GraphMode.COMPILE,
-                          step_function=step_without_draft_counts, draft_lengths=tuple(range(K + 1)))
+                          step_function=step_without_draft_counts, step_drafts=tuple(map(Drafts, range(K + 1))))
     with pytest.raises(Exception) as raised:
-        compiled.step(4, 1)
+        compiled.step(4, Drafts(1))
     assert "decode state updated outside the graph: draft_counts" in audit_failure(raised.value)
 
 
 def test_the_tree_step_has_acceptance_estimates_of_its_own():
+    tree = Drafts(2, tree=True)
     chooser = DraftLengthChooser(max_drafts=2, tree_depth=2)
-    chooser.seconds = {(1, 0): 1.0, (1, 1): 1.2, (1, 2): 1.5}
+    assert chooser.candidates == [Drafts(0), Drafts(1), Drafts(2), tree]
+    chooser.seconds = {(1, Drafts(0)): 1.0, (1, Drafts(1)): 1.2, (1, Drafts(2)): 1.5, (1, tree): 1.5}
     chooser.acceptance = [0.6, 0.2]  # chains: 1, 1.6 / 1.2 = 1.33, 1.72 / 1.5 = 1.15
-    chooser.tree_acceptance = [0.9, 0.5]  # the tree at k=2: 1 + 0.9 + 0.45 = 2.35 / 1.5 = 1.57
-    assert chooser.choose(1) == 2
-    chooser.observe_step(1, 2, 1.5, [(2, 0)])  # a tree step rejected at depth 1: the tree's estimate moves
+    chooser.tree_acceptance = [0.9, 0.5]  # the tree: 1 + 0.9 + 0.45 = 2.35 / 1.5 = 1.57
+    assert chooser.choose(1) == tree
+    chooser.observe_step(1, tree, 1.5, [(2, 0)])  # a tree step rejected at depth 1: the tree's estimate moves
     assert chooser.tree_acceptance[0] < 0.9 and chooser.acceptance == [0.6, 0.2]
-    chooser.observe_step(1, 1, 1.2, [(1, 1)])  # a chain step
+    chooser.observe_step(1, Drafts(1), 1.2, [(1, 1)])  # a chain step
     assert chooser.acceptance[0] > 0.6 and chooser.tree_acceptance[1] == 0.5
+
+
+def test_the_tree_competes_with_the_chain_of_its_depth():
+    """The tree drafts what the chain of its depth drafts and verifies more rows: where its extra acceptance does
+    not pay for those rows the chain of its depth wins, not a shorter chain."""
+    tree = Drafts(2, tree=True)
+    chooser = DraftLengthChooser(max_drafts=3, tree_depth=2)
+    chooser.seconds = {(1, Drafts(0)): 1.0, (1, Drafts(1)): 1.2, (1, Drafts(2)): 1.4, (1, Drafts(3)): 1.9,
+                       (1, tree): 1.8}
+    chooser.acceptance = [0.7, 0.6, 0.2]  # chains per second: 1, 1.7 / 1.2 = 1.42, 2.12 / 1.4 = 1.51, 2.20 / 1.9 = 1.16
+    chooser.tree_acceptance = [0.8, 0.6]  # the tree: 1 + 0.8 + 0.48 = 2.28 / 1.8 = 1.27
+    assert chooser.choose(1) == Drafts(2)
+    chooser.seconds.update({(2, drafts): seconds for (_, drafts), seconds in chooser.seconds.items()})
+    chooser.seconds[(2, tree)] = 1.45  # in another bucket its rows cost less: 2.28 / 1.45 = 1.57
+    assert chooser.choose(2) == tree
 
 
 def test_auto_with_a_tree_is_calibrated_for_both_and_keeps_greedy_output(prompts, plain_tokens):
     path, texts = prompts
     llm = LLM(path, graph_mode="eager", draft_tree=(2, 2), **ENGINE)
     chooser = llm.engine.chooser
-    assert chooser.tree_depth == 2
-    # Calibration decoded with the chain (k=1) and with the tree: neither estimate is the untouched 1.0.
-    assert chooser.acceptance[0] < 1.0 and chooser.tree_acceptance[0] < 1.0 and chooser.tree_acceptance[1] < 1.0
+    assert chooser.candidates == [Drafts(0), Drafts(1), Drafts(2), Drafts(2, tree=True)]
+    assert {drafts for _, drafts in chooser.seconds} == set(chooser.candidates)  # each step timed at warm-up
+    # Calibration decoded with the K=2 chain and with the tree: no estimate is the untouched 1.0.
+    assert max(chooser.acceptance) < 1.0 and max(chooser.tree_acceptance) < 1.0
     assert [o.token_ids for o in llm.generate(texts, GREEDY)] == plain_tokens
-    # Switching between chains and the tree mid-request (the tree's step then verifies leaves a chain step drafted,
-    # or none) keeps the output too.
-    scheduled(llm)
-    assert [o.token_ids for o in llm.generate(texts, GREEDY)] == plain_tokens
+    # Switching between chains and the tree mid-request, the chain of the tree's depth included (a tree step then
+    # verifies leaves a chain step drafted, or none), keeps the output too.
+    llm.engine.chooser = ScheduledChooser([2, Drafts(2, tree=True), 1, Drafts(2, tree=True), Drafts(2, tree=True),
+                                           0, 2, 2, Drafts(2, tree=True)])
+    records = record_steps(llm)
+    outputs = llm.generate(texts, GREEDY)
+    assert [o.token_ids for o in outputs] == plain_tokens
+    tree_steps = sum(record.tree for record in records)
+    assert tree_steps and sum(record.num_drafts == 2 and not record.tree for record in records)
+    assert sum(o.stats.tree_steps for o in outputs) == sum(record.tree * len(record.lanes) for record in records)

@@ -113,12 +113,26 @@ def test_bench_compares_auto_with_the_best_fixed_k(tiny_checkpoint, tmp_path):
     forced = auto["same_process_tokens_per_s"]
     assert set(forced) == {"0", "1", "2", "3", "auto"} and min(forced.values()) > 0
     fixed = {k: rate for k, rate in forced.items() if k != "auto"}
-    assert auto["same_process_best_fixed_k"] == int(max(fixed, key=fixed.get))
+    assert auto["same_process_best_fixed_k"] == max(fixed, key=fixed.get)
     assert auto["same_process_auto_over_best_fixed_k"] == pytest.approx(forced["auto"] / max(fixed.values()))
     table = (tmp_path / "results.md").read_text()
     assert "| eager | auto | 1 |" in table and "k = auto chooses k before each step" in table
     assert "in each of 2 rounds" in table
     assert (tmp_path / "tokens_per_s.png").read_bytes().startswith(b"\x89PNG")
+
+
+def test_bench_compares_auto_with_a_tree_against_each_chain_and_the_tree(tiny_checkpoint, tmp_path):
+    args = ["bench", "--model", str(tiny_checkpoint("predictive").path), "--graph-modes", "eager", "-k", "auto",
+            "--draft-tree", "2,1", "--anchors", "none", "--max-tokens", "12", "--threads", "1", "--out", str(tmp_path)]
+    result = CliRunner().invoke(cli.main, args, prog_name="compiled-spec")
+    assert result.exit_code == 0, result.output
+    cells = {(r["num_speculative_tokens"], bool(r["draft_tree"])): r for r in records(tmp_path, kind="engine")}
+    auto = cells[("auto", True)]
+    assert auto["status"] == "ok" and auto["output_digests"] == cells[(2, True)]["output_digests"]
+    assert set(auto["same_process_tokens_per_s"]) == {"0", "1", "2", "3", "tree", "auto"}
+    assert set(auto["auto_step_seconds"]) == {"0", "1", "2", "3", "tree"}
+    assert 0 <= auto["tree_steps"] <= auto["steps"]
+    assert auto["same_process_best_fixed_k"] in {"0", "1", "2", "3", "tree"}
 
 
 def test_bench_hisparse_reaches_every_engine_cell(tiny_checkpoint, tmp_path):

@@ -15,6 +15,7 @@ import torch
 from compiled_spec import LLM, CompiledSpecError, GraphMode, SamplingParams
 from compiled_spec.runtime.canary import Divergence, GraphCanary, copy_state, first_difference
 from compiled_spec.runtime.graph_modes import StepRunner
+from compiled_spec.speculative.step import Drafts
 from faults import PositionsInPythonRunner, prefilling_in_eager, step_without_draft_counts
 from passes.graph_inputs import state_field
 from test_auto_k import ScheduledChooser
@@ -124,7 +125,7 @@ def test_a_graph_computing_what_eager_does_not_is_caught(workload, caplog):
     llm = LLM(path, graph_mode="compile", warm_up=False, verify_graphs_every=1, **ENGINE)
     engine = llm.engine
     engine.runner = prefilling_in_eager(StepRunner(llm.model, engine.state, engine.constants, GraphMode.COMPILE,
-                                                   engine.runner.draft_lengths, passes=[HalvedDraftProbs()]))
+                                                   engine.runner.step_drafts, passes=[HalvedDraftProbs()]))
     with caplog.at_level(logging.WARNING, logger="compiled_spec.canary"):
         assert run(llm, prompts, params) == eager
     divergence = check_fell_back(llm, 1, 1, GraphMode.EAGER, caplog)
@@ -144,7 +145,7 @@ def test_a_step_that_skips_the_draft_count_write_is_caught(workload, caplog):
     engine.chooser = ScheduledChooser(schedule)
     engine.runner = prefilling_in_eager(StepRunner(
         llm.model, engine.state, engine.constants, GraphMode.COMPILE, passes=[],
-        step_function=step_without_draft_counts, draft_lengths=(0, 1, 2)))
+        step_function=step_without_draft_counts, step_drafts=(Drafts(0), Drafts(1), Drafts(2))))
     with caplog.at_level(logging.WARNING, logger="compiled_spec.canary"):
         assert run(llm, prompts, params) == eager
     divergence = check_fell_back(llm, every, 1, GraphMode.EAGER, caplog)
@@ -161,7 +162,7 @@ def test_state_updated_outside_a_captured_graph_is_caught(workload, caplog):
     llm = LLM(path, graph_mode="piecewise", warm_up=False, verify_graphs_every=every, **ENGINE)
     engine = llm.engine
     engine.runner = PositionsInPythonRunner(llm.model, engine.state, engine.constants, GraphMode.PIECEWISE,
-                                            engine.runner.draft_lengths, passes=[])
+                                            engine.runner.step_drafts, passes=[])
     with caplog.at_level(logging.WARNING, logger="compiled_spec.canary"):
         assert run(llm, prompts, params) == eager
     check_fell_back(llm, every, 2, GraphMode.COMPILE, caplog)

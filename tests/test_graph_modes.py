@@ -112,7 +112,7 @@ def test_full_mode_on_cpu_folds_the_weights_into_its_gemms(compiled_result):
     `full` did when Dynamo lifted them as inputs), with them folded max-autotune compiles C++ GEMM kernels."""
     engine = compiled_result["llm"].engine
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profiler:
-        engine.runner.step(ENGINE["batch_buckets"][0], engine.max_drafts)
+        engine.runner.step(ENGINE["batch_buckets"][0], engine.step_drafts()[0])
     calls = {event.key: event.count for event in profiler.key_averages()}
     matmuls = sum(calls.get(name, 0) for name in ("aten::mm", "aten::addmm", "aten::bmm", "aten::linear"))
     if compiled_result["mode"] == "full":

@@ -305,9 +305,9 @@ def record_evictions(llm: LLM) -> list[int]:
     runner, state, evictions = llm.engine.runner, llm.engine.state, []
     step = runner.step
 
-    def counting_step(batch_size, k):
+    def counting_step(batch_size, drafts):
         before = [positions.clone() for positions in state.hisparse.hot_positions]
-        step(batch_size, k)
+        step(batch_size, drafts)
         evictions.append(sum(int(((old >= 0) & (old != new)).sum()) for old, new in zip(before, state.hisparse.hot_positions)))
 
     runner.step = counting_step
@@ -365,7 +365,7 @@ def test_a_bfloat16_cold_pool_halves_its_memory_and_full_mode_still_equals_eager
 def faulty_engine(path, mode: GraphMode, passes):
     llm = LLM(path, graph_mode=mode, hisparse=without_draft_mirror(SATURATED), warm_up=False, **MIRROR_ENGINE)
     engine = llm.engine
-    engine.runner = StepRunner(llm.model, engine.state, engine.constants, mode, engine.runner.draft_lengths,
+    engine.runner = StepRunner(llm.model, engine.state, engine.constants, mode, engine.runner.step_drafts,
                                passes=passes)
     return llm
 

@@ -122,8 +122,8 @@ def test_full_on_cpu_keeps_a_static_step_package_per_batch_bucket_below_a_larges
     def steps(buckets):
         llm = LLM(path, graph_mode="full", max_batch_size=buckets[-1], batch_buckets=buckets, max_seq_len=32,
                   warm_up=False, show_progress=False)
-        graphs = [(kind, size, "K" if k == llm.engine.max_drafts else k)
-                  for kind, size, k in llm.engine.startup.warm_up_graphs() if kind == "step"]
+        graphs = [(kind, size, "K" if drafts.k == llm.engine.max_drafts else drafts.k)
+                  for kind, size, drafts in llm.engine.startup.warm_up_graphs() if kind == "step"]
         return llm.engine.runner.step_batches, graphs
 
     assert steps((1, 2)) == (None, [("step", 2, "K"), ("step", 1, "K")])

@@ -62,7 +62,7 @@ def test_a_switch_from_eager_to_full_mid_request_changes_no_token_and_no_accepte
     engine = llm.engine
     full = engine.runner
     engine.startup.switch_runner(StepRunner(llm.model, engine.state, engine.constants, GraphMode.EAGER,
-                                            full.draft_lengths))
+                                            full.step_drafts))
     graphs = graphs_made(full)
     with torch.compiler.set_stance("fail_on_recompile"):
         tokens, steps = decode(llm, prompts, switch_to=full)
@@ -169,7 +169,7 @@ def test_a_failed_switch_to_the_full_graphs_warns_once_and_the_engine_keeps_serv
     llm = LLM(path, graph_mode="eager", show_progress=False, **options)
     engine = llm.engine
     eager = engine.runner
-    full = StepRunner(llm.model, engine.state, engine.constants, GraphMode.EAGER, eager.draft_lengths)
+    full = StepRunner(llm.model, engine.state, engine.constants, GraphMode.EAGER, eager.step_drafts)
 
     def load(function, args):
         raise RuntimeError("the package does not load")

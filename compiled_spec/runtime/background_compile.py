@@ -25,8 +25,9 @@ from tqdm.auto import tqdm
 from torch._inductor.runtime.cache_dir_utils import cache_dir
 
 from ..errors import CompiledSpecError
+from ..speculative.step import Drafts
 
-Graph = tuple[str, int, int]  # (kind, size, k) as GraphStartup.warm_up_graphs lists them
+Graph = tuple[str, int, Drafts]  # (kind, size, drafts) as GraphStartup.warm_up_graphs lists them
 
 
 WORKERS_VARIABLE = "COMPILED_SPEC_COMPILE_WORKERS"

@@ -19,6 +19,7 @@ from ..detokenizer import IncrementalDetokenizer
 from ..model.causal_lm import CausalLM
 from ..params import MIN_SAMPLING_TEMPERATURE
 from ..speculative.state import move_slot
+from ..speculative.step import Drafts
 from .buckets import pick_bucket
 from .canary import GraphCanary
 from .decode_setup import allocate_state, batch_buckets, prefill_buckets, step_constants
@@ -45,7 +46,7 @@ class Engine:
         self.batch_buckets = batch_buckets(config)
         self.prefill_buckets = prefill_buckets(config)
         self.runner = StepRunner(model, self.state, self.constants, config.graph_mode,
-                                 draft_lengths=tuple(self.draft_lengths()),
+                                 step_drafts=tuple(self.step_drafts()),
                                  prefill_width=self.prefill_buckets[-1], batch_size=self.batch_buckets[-1])
         self.startup = GraphStartup(self, start or StartOptions())
         self.waiting: deque[Request] = deque()
@@ -57,9 +58,11 @@ class Engine:
         self.eager_prefills = 0  # prompts longer than every prefill bucket, prefilled in eager at their own length
         self.canary = GraphCanary(config.verify_graphs_every) if config.verify_graphs_every else None
 
-    def draft_lengths(self) -> list[int]:
-        """The k values steps run with: every 0..K with auto, else K."""
-        return list(range(self.max_drafts + 1)) if self.config.auto else [self.max_drafts]
+    def step_drafts(self) -> list[Drafts]:
+        """What steps verify and draft: with auto every chain 0..K and the token tree, else the tree or the K chain."""
+        if self.chooser:
+            return list(self.chooser.candidates)
+        return [Drafts(self.max_drafts, tree=self.config.draft_tree is not None)]
 
     def run(self, requests: list[Request], on_tokens: TokenCallback | None = None) -> None:
         """Decodes a known list of requests to the end, recording every step in step_log and step_seconds."""
@@ -146,23 +149,24 @@ class Engine:
         start = time.perf_counter()
         bucket = pick_bucket(self.batch_buckets, len(self.slots))
         batch = self.runner.batch_for(bucket, len(self.slots))
-        k = self.chooser.choose(bucket) if self.chooser else self.max_drafts
-        self.last_num_drafts = k
+        drafts = self.chooser.choose(bucket) if self.chooser else self.step_drafts()[0]
+        self.last_num_drafts = drafts.k
         divergence = None
         checked = bool(self.canary and self.runner.mode != GraphMode.EAGER and self.canary.due(self.steps_run + 1))
         if checked:
-            divergence = self.canary.checked_step(self, batch, k, self.steps_run + 1)
+            divergence = self.canary.checked_step(self, batch, drafts, self.steps_run + 1)
         else:
-            self.runner.step(batch, k)
+            self.runner.step(batch, drafts)
         finished, lanes, verified = self._collect(len(self.slots), on_tokens, first_slot=0, record_stats=True,
-                                                  num_drafts=k)
+                                                  drafts=drafts)
         seconds = time.perf_counter() - start
         self.steps_run += 1
         if self.canary:
             self.canary.observe(self.steps_run, seconds, checked)
         if self.chooser:
-            self.chooser.observe_step(bucket, k, seconds, [(v, accepted) for v, (_, accepted) in zip(verified, lanes)])
-        return StepRecord(finished, lanes, seconds, k, verified, divergence)
+            self.chooser.observe_step(bucket, drafts, seconds,
+                                      [(v, accepted) for v, (_, accepted) in zip(verified, lanes)])
+        return StepRecord(finished, lanes, seconds, drafts.k, verified, divergence, drafts.tree)
 
     def abort(self, index: int) -> Request | None:
         """Drops the waiting request with this index, or frees the slot of the running one (between steps); None if
@@ -181,11 +185,11 @@ class Engine:
                 return request
         return None
 
-    def _collect(self, end: int, on_tokens, first_slot: int, record_stats: bool, num_drafts: int = 0):
+    def _collect(self, end: int, on_tokens, first_slot: int, record_stats: bool, drafts: Drafts = Drafts(0)):
         """Reads what slots first_slot..end-1 emitted (one device-to-host copy) and frees finished slots.
 
-        num_drafts: the k of the step. Returns the finished requests, per lane (request index, accepted drafts),
-        and per lane the drafts it verified.
+        drafts: what the step verified and drafted. Returns the finished requests, per lane (request index, accepted
+        drafts), and per lane the drafts it verified.
         """
         s = self.state
         packed = torch.cat(
@@ -201,7 +205,7 @@ class Engine:
                 lanes.append((request.index, accepted))
                 verified_counts.append(verified)
                 if self.max_drafts > 0:
-                    request.output.stats.record(accepted, verified, num_drafts)
+                    request.output.stats.record(accepted, verified, drafts.k, tree=drafts.tree)
             kept = len(request.output.token_ids)
             stopped = self._append(request, tokens[:count])
             new_tokens = request.output.token_ids[kept:]  # a stop string drops the tokens after it

@@ -36,7 +36,7 @@ from ..model.causal_lm import CausalLM
 from ..model import decode_attention
 from ..model.layers import COMPILED_ATTENTION_MAX_ROWS, DECODE_ATTENTION_MAX_ROWS
 from ..speculative.state import DecodeState
-from ..speculative.step import StepConstants, prefill, speculative_step, state_writes
+from ..speculative.step import Drafts, StepConstants, prefill, speculative_step, state_writes
 from . import cpu_partitions, shared_constants, torch_patches
 from .packaged import AheadOfTimeCompiled, DynamicSize, model_digest
 
@@ -126,25 +126,27 @@ class StepRunner:
         state: DecodeState,
         constants: StepConstants,
         mode: GraphMode,
-        draft_lengths: tuple[int, ...],
+        step_drafts: tuple[Drafts, ...],
         passes: list | None = None,
         step_function=speculative_step,
         prefill_function=prefill,
         prefill_width: int | None = None,
         batch_size: int | None = None,
     ):
-        """draft_lengths: the k values step(batch_size, k) and prefill(..., k) are called with (the state's draft
-        slots K, or with auto every k in 0..K; auto admits a request with the k it decodes with); each k of each is
-        a graph of its own, with the writes it makes checked by its own passes. prefill_width: the
-        largest prompt width prefill is called with (the largest prefill bucket); with it, full on CPU compiles
-        one prefill package (per k) for every width from PACKAGED_PREFILL_MIN_WIDTH up to it (prefill_widths).
+        """step_drafts: what step(batch_size, drafts) is called with (the chain of the state's K draft slots or the
+        token tree; with auto every chain 0..K and the tree); prefill(..., k) is called with each of their k (auto
+        admits a request with the k it decodes with). Each is a graph of its own, with the writes it makes checked
+        by its own passes. prefill_width: the largest prompt width prefill is called with (the largest prefill
+        bucket); with it, full on CPU compiles one prefill package (per k) for every width from
+        PACKAGED_PREFILL_MIN_WIDTH up to it (prefill_widths).
         batch_size: the largest batch step is called with (the largest batch bucket); with it, full on CPU compiles
-        one step package (per k) for every batch from 1 up to it (step_batches), when it is
+        one step package (per chain or tree) for every batch from 1 up to it (step_batches), when it is
         PACKAGED_STEP_MIN_LARGEST_BATCH or more. (A package of batch 1's own stepped 1-4% faster at batch 1, but was
         a third graph for the default buckets' cold start: README, Start-up.)"""
         self.mode = mode
         self.state = state
-        self.draft_lengths = draft_lengths
+        self.step_drafts = step_drafts
+        self.draft_lengths = tuple(sorted({drafts.k for drafts in step_drafts}))  # the k prefill is called with
         self.compiles_prefill = mode != GraphMode.EAGER
         captures = mode in (GraphMode.PIECEWISE, GraphMode.FULL)
         # A shallow copy: the same buffers, but later rebinding of a field on `state` does not reach it.
@@ -152,8 +154,8 @@ class StepRunner:
         self.managers: dict[str, SpecPassManager] = {}
         self.bound = (model, graph_state, constants)
         self._eager_prefill = prefill_function
-        self._steps: dict[int, object] = {k: step_function for k in draft_lengths}  # k -> its step graph
-        self._prefills: dict[int, object] = {k: prefill_function for k in draft_lengths}  # k -> its prefill graph
+        self._steps: dict[Drafts, object] = {drafts: step_function for drafts in step_drafts}  # -> its step graph
+        self._prefills: dict[int, object] = {k: prefill_function for k in self.draft_lengths}  # k -> its prefill graph
         # (lowest, highest) prompt width of the one prefill package, or None: a graph per prefill bucket.
         self.prefill_widths: tuple[int, int] | None = None
         # (lowest, highest) batch of the one step package, or None: a graph per batch bucket.
@@ -195,15 +197,15 @@ class StepRunner:
                     # prefill(slot, prompt_ids [1, width], prompt_len, k): one package for every width in range.
                     dynamic = DynamicSize(arg=1, dim=1, low=self.prefill_widths[0], high=self.prefill_widths[1])
                 elif function is step_function and self.step_batches:
-                    # step(lanes [batch], k): one package for every batch in range.
+                    # step(lanes [batch], k, tree): one package for every batch in range.
                     function = over_lanes(function)
                     dynamic = DynamicSize(arg=0, dim=0, low=self.step_batches[0], high=self.step_batches[1])
                 return AheadOfTimeCompiled(function, manager, options, model_key, dynamic)
             return torch.compile(function, fullgraph=True, dynamic=False, backend=spec_backend(options, manager))
 
-        # Dynamo keeps one cache per function and tells these apart by backend, so each k has its own passes.
-        self._steps = {k: compiled(f"step k={k}", step_function, k) for k in draft_lengths}
-        self._prefills = {k: compiled(f"prefill k={k}", prefill_function, k) for k in draft_lengths}
+        # Dynamo keeps one cache per function and tells these apart by backend, so each graph has its own passes.
+        self._steps = {drafts: compiled(f"step {drafts}", step_function, drafts.k) for drafts in step_drafts}
+        self._prefills = {k: compiled(f"prefill k={k}", prefill_function, k) for k in self.draft_lengths}
 
     def packages(self) -> tuple[list[str], list[str]]:
         """(compiled, loaded): the ahead-of-time packages (full on CPU) this runner has compiled and loaded."""
@@ -231,15 +233,15 @@ class StepRunner:
         functions = (*self._steps.values(), *self._prefills.values())
         return [f for f in functions if isinstance(f, AheadOfTimeCompiled)]
 
-    def warm_up_call(self, kind: str, size: int, k: int) -> tuple:
-        """(function, arguments) of the graph warm-up makes for a batch bucket (kind "step") or a prefill bucket
-        (kind "prefill", over slot 0) that drafts k, one of draft_lengths."""
+    def warm_up_call(self, kind: str, size: int, drafts: Drafts) -> tuple:
+        """(function, arguments) of the graph warm-up makes for a batch bucket (kind "step", one of step_drafts) or
+        a prefill bucket (kind "prefill", over slot 0, drafting drafts.k)."""
         if kind == "prefill":
             device = self.state.seq_lens.device
             slot = torch.zeros(1, dtype=torch.int64, device=device)
             prompt = torch.zeros(1, size, dtype=torch.int64, device=device)
-            return self._prefills[k], (slot, prompt, torch.ones(1, dtype=torch.int64, device=device), k)
-        return self._steps[k], (self._batch_argument(size), k)
+            return self._prefills[drafts.k], (slot, prompt, torch.ones(1, dtype=torch.int64, device=device), drafts.k)
+        return self._steps[drafts], (self._batch_argument(size), *drafts)
 
     def batch_for(self, bucket: int, lanes: int) -> int:
         """The batch a step over `lanes` requests runs at: their batch bucket, or (the one step package of full on
@@ -255,9 +257,9 @@ class StepRunner:
             self._lanes[batch_size] = torch.zeros(batch_size, dtype=torch.int64, device=self.state.seq_lens.device)
         return self._lanes[batch_size]
 
-    def package_path(self, kind: str, size: int, k: int) -> Path | None:
+    def package_path(self, kind: str, size: int, drafts: Drafts) -> Path | None:
         """Where the ahead-of-time package of that graph is kept (full on CPU), else None."""
-        function, args = self.warm_up_call(kind, size, k)
+        function, args = self.warm_up_call(kind, size, drafts)
         return function.package_path(self.bound[1], args) if isinstance(function, AheadOfTimeCompiled) else None
 
     def load(self, function, args: tuple) -> None:
@@ -266,9 +268,9 @@ class StepRunner:
             function.prepare(*self.bound, *args)
 
     @torch.inference_mode()
-    def step(self, batch_size: int, k: int):
-        """One step that drafts k tokens, one of draft_lengths."""
-        return self._steps[k](*self.bound, self._batch_argument(batch_size), k)
+    def step(self, batch_size: int, drafts: Drafts):
+        """One step that verifies and drafts `drafts`, one of step_drafts."""
+        return self._steps[drafts](*self.bound, self._batch_argument(batch_size), *drafts)
 
     @torch.inference_mode()
     def prefill(self, slot: torch.Tensor, prompt_ids: torch.Tensor, prompt_len: torch.Tensor, k: int):

@@ -32,3 +32,4 @@ class StepRecord:
     num_drafts: int = 0  # k: the drafts this step made for the next one
     verified: list[int] | None = None  # per lane: drafts it verified (fewer than k after a step with a smaller k)
     divergence: Divergence | None = None  # the canary checked this step and found the compiled one wrong
+    tree: bool = False  # the step verified the token tree (num_drafts: its depth)

@@ -17,6 +17,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ..config import GraphMode
+from ..speculative.step import Drafts
 from .background_compile import BackgroundCompile, compile_worker_count, earlier_failure, failed_file
 from .canary import SAFER_MODE
 from .draft_timing import calibrate, time_steps
@@ -52,23 +53,26 @@ class GraphStartup:
         self._full_runner: StepRunner | None = None
         self._next_poll, self._show_progress, self._threads = 0.0, False, 1
 
-    def warm_up_graphs(self, runner: StepRunner | None = None) -> list[tuple[str, int, int]]:
-        """(kind, size, k) of every graph warm-up makes for `runner` (default: the engine's): each batch bucket and,
-        if the runner compiles prefill, each prefill bucket (or, full on CPU, one prefill package for every width up
-        to the largest), for every k the engine steps with (0..K with auto, else K).
+    def warm_up_graphs(self, runner: StepRunner | None = None) -> list[tuple[str, int, Drafts]]:
+        """(kind, size, drafts) of every graph warm-up makes for `runner` (default: the engine's): each batch bucket
+        for every chain or tree the engine steps with (engine.step_drafts()) and, if the runner compiles prefill,
+        each prefill bucket (or, full on CPU, one prefill package for every width up to the largest) for every k
+        of those.
 
         Full on CPU: the one step package for every batch (the longest compile, so it goes first), then the one
         prefill package; compile processes take them in this order."""
         engine = self.engine
         runner = runner or engine.runner
-        ks = engine.draft_lengths()
+        steps = engine.step_drafts()
+        prefill_drafts = [Drafts(k) for k in sorted({drafts.k for drafts in steps})]
         sizes = [runner.step_batches[1]] if runner.step_batches else list(reversed(engine.batch_buckets))
-        graphs = [("step", size, k) for size in sizes for k in ks]
+        graphs = [("step", size, drafts) for size in sizes for drafts in steps]
         if runner.prefill_widths:  # one package covers every width (full on CPU); the longest compiles go first
-            prefills = [("prefill", runner.prefill_widths[1], k) for k in ks]
+            prefills = [("prefill", runner.prefill_widths[1], drafts) for drafts in prefill_drafts]
             return graphs + prefills if runner.step_batches else prefills + graphs
         if runner.compiles_prefill:
-            graphs += [("prefill", size, k) for size in reversed(engine.prefill_buckets) for k in ks]
+            graphs += [("prefill", size, drafts)
+                       for size in reversed(engine.prefill_buckets) for drafts in prefill_drafts]
         return graphs
 
     def warm_up(self, show_progress: bool = True) -> None:
@@ -113,12 +117,12 @@ class GraphStartup:
     def _compile_graphs(self, show_progress: bool) -> None:
         runner = self.engine.runner
         bar = tqdm(self.warm_up_graphs(), desc="compiling buckets", unit="graph", disable=not show_progress)
-        for kind, size, k in bar:
-            drafts = f" k={k}" if self.engine.chooser else ""
+        for kind, size, drafts in bar:
+            label = f" {drafts}" if self.engine.chooser else ""
             covered = runner.step_batches if kind == "step" else runner.prefill_widths
             sizes = f"{covered[0]}-{size}" if covered and size == covered[1] else str(size)  # one package, a range
-            bar.set_postfix_str(f"{kind} {'batch' if kind == 'step' else 'prompt'}={sizes}{drafts}")
-            self.compile_graph(kind, size, k)
+            bar.set_postfix_str(f"{kind} {'batch' if kind == 'step' else 'prompt'}={sizes}{label}")
+            self.compile_graph(kind, size, drafts)
 
     def _compile_in_processes(self, graphs: list, paths: list, show_progress: bool) -> None:
         """Compiles the missing packages in compile_workers child processes at once, where there are 2 or more of
@@ -141,13 +145,13 @@ class GraphStartup:
                         workers, children.failure(), children.log)
             children.stop()
 
-    def compile_graph(self, kind: str, size: int, k: int) -> None:
+    def compile_graph(self, kind: str, size: int, drafts: Drafts) -> None:
         """Makes one graph of warm_up_graphs() by calling it once over free slots (every slot is free and marked
         done, so nothing live is touched)."""
         engine = self.engine
         if engine.slots:
             raise RuntimeError("compile_graph() needs every slot free")
-        function, args = engine.runner.warm_up_call(kind, size, k)
+        function, args = engine.runner.warm_up_call(kind, size, drafts)
         with torch.inference_mode():
             function(*engine.runner.bound, *args)
         engine.state.done[0] = True  # a prefill over slot 0 marked it live
@@ -169,7 +173,7 @@ class GraphStartup:
     def _eager_runner(self) -> StepRunner:
         engine = self.engine
         return StepRunner(engine.model, engine.state, engine.constants, GraphMode.EAGER,
-                          draft_lengths=engine.runner.draft_lengths)
+                          step_drafts=engine.runner.step_drafts)
 
     def poll_background(self, wait: bool = False, timeout: float | None = None) -> str | None:
         """Between steps: switches to the full graphs once the background compile has made them all. Returns
@@ -237,7 +241,7 @@ class GraphStartup:
         self._full_runner = None
         engine.constants = engine.constants._replace(opaque_attention=mode == GraphMode.PIECEWISE)
         runner = StepRunner(engine.model, engine.state, engine.constants, mode,
-                            draft_lengths=engine.runner.draft_lengths, prefill_width=engine.prefill_buckets[-1],
+                            step_drafts=engine.runner.step_drafts, prefill_width=engine.prefill_buckets[-1],
                             batch_size=engine.batch_buckets[-1])
         self.switch_runner(runner)
         self.fallbacks.append(mode)

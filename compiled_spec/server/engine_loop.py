@@ -196,14 +196,15 @@ class EngineLoop:
             self._fail_running("decode step failed", error)
             return
         self._steps += 1
-        self.metrics.record_step([accepted for _, accepted in record.lanes], record.verified, record.num_drafts)
+        self.metrics.record_step([accepted for _, accepted in record.lanes], record.verified, record.num_drafts,
+                                 record.tree)
         if record.divergence is not None:
             self.metrics.graph_divergence.inc()
         if self._step_log:
             self._step_log.write(json.dumps({
                 "step": self._steps, "time": time.time(), "lanes": [index for index, _ in record.lanes],
                 "accepted": [accepted for _, accepted in record.lanes], "waiting": self._queued,
-                "seconds": record.seconds, "num_drafts": record.num_drafts,
+                "seconds": record.seconds, "num_drafts": record.num_drafts, "tree": record.tree,
             }) + "\n")
         self._ended(record.finished)
 

@@ -14,8 +14,9 @@ has its own KV cache. After verification, depth m re-runs rows L-m .. L-1+k (the
 window, width k+m), so every row whose inputs are all verified is (re)written from verified values,
 and rows that used a draft token are rewritten next step before anything reads them.
 
-The step drafting len(constants.draft_tree) verifies a token tree (speculative/tree.py): each depth's other candidates
-are extra rows of the verify pass, and the accepted path may end on one of them.
+A step called with tree=True verifies the token tree of constants.draft_tree (speculative/tree.py; k is its depth):
+each depth's other candidates are extra rows of the verify pass, and the accepted path may end on one of them. Every
+step with k > 0 drafts the tree's candidates, so a chain step and a tree step can follow each other (k = auto).
 """
 
 from __future__ import annotations
@@ -43,7 +44,17 @@ class StepConstants(NamedTuple):
     max_seq_len: int
     opaque_attention: bool = False
     attention: AttentionBackend = DenseAttention()  # HiSparseAttention: decode passes attend over tiered caches
-    draft_tree: tuple[int, ...] = ()  # widths per depth (speculative/tree.py); the step drafting its depth verifies it
+    draft_tree: tuple[int, ...] = ()  # widths per depth (speculative/tree.py); a step with tree=True verifies it
+
+
+class Drafts(NamedTuple):
+    """What a step verifies and drafts: a chain of k drafts, or with tree the token tree (k: its depth)."""
+
+    k: int
+    tree: bool = False
+
+    def __str__(self) -> str:
+        return f"tree k={self.k}" if self.tree else f"k={self.k}"
 
 
 def make_layout(
@@ -87,6 +98,12 @@ def max_drafts(state: DecodeState) -> int:
 def check_draft_length(state: DecodeState, k: int) -> None:
     if not 0 <= k <= max_drafts(state):
         raise ValueError(f"k={k} is out of range; this state has 0..{max_drafts(state)} draft slots")
+
+
+def check_tree_step(constants: StepConstants, k: int, tree: bool) -> None:
+    if tree and k != len(constants.draft_tree):
+        raise ValueError(f"a tree step drafts the tree's depth: k={k}, but the token tree {constants.draft_tree} is "
+                         f"{len(constants.draft_tree)} deep")
 
 
 def state_writes(state: DecodeState, constants: StepConstants, k: int) -> tuple[str, ...]:
@@ -239,10 +256,12 @@ def _write_leading(buffer: torch.Tensor, rows: torch.Tensor, value: torch.Tensor
     buffer.index_put_((rows[:, None], columns[None, :]), value.to(buffer.dtype))
 
 
-def speculative_step(model: CausalLM, state: DecodeState, constants: StepConstants, batch_size: int, k: int) -> None:
-    """One step for slots 0..batch_size-1 that verifies the drafts each slot holds (at most k) and then drafts k
-    tokens; slots marked done are left unchanged."""
+def speculative_step(model: CausalLM, state: DecodeState, constants: StepConstants, batch_size: int, k: int,
+                     tree: bool = False) -> None:
+    """One step for slots 0..batch_size-1 that verifies the drafts each slot holds (at most k; tree: with the token
+    tree's other candidates) and then drafts k tokens; slots marked done are left unchanged."""
     check_draft_length(state, k)
+    check_tree_step(constants, k, tree)
     slots = max_drafts(state)
     rows = torch.arange(batch_size, device=state.seq_lens.device)
     seq_lens = state.seq_lens[:batch_size]
@@ -257,8 +276,8 @@ def speculative_step(model: CausalLM, state: DecodeState, constants: StepConstan
     verify_tokens = torch.cat([state.pending_tokens[:batch_size, None], drafts], dim=1)
     offsets = torch.arange(k + 1, device=rows.device)
     positions = first_row[:, None] + offsets
-    tree = constants.draft_tree if k > 0 and k == len(constants.draft_tree) else ()
-    nodes = leaf_nodes(tree)
+    widths = constants.draft_tree if tree else ()
+    nodes = leaf_nodes(widths)
     if nodes:  # the leaves follow the chain's rows, each at its depth's position
         leaf_tokens, leaf_positions, scratch = leaf_rows(state, nodes, batch_size, first_row)
         verify_tokens = torch.cat([verify_tokens, leaf_tokens], dim=1)
@@ -275,7 +294,7 @@ def speculative_step(model: CausalLM, state: DecodeState, constants: StepConstan
     if nodes:
         accepted, next_token, on_leaf, leaf = verify_tree(
             target_probs[:, : k + 1], target_probs[:, k + 1 :], state.draft_probs[:batch_size, :k], drafts, leaf_tokens,
-            tree, temperature == 0, seeds, seq_lens, verified)
+            widths, temperature == 0, seeds, seq_lens, verified)
         hidden = end_on_leaf(state, rows, hidden[:, : k + 1], hidden[:, k + 1 :], accepted, on_leaf & active, leaf,
                              first_row, scratch, constants.attention, tiers)
     else:
