@@ -46,9 +46,9 @@ TREE_HELP = (
     "2-3: the chain; 5 verify rows), 2,2,1 (a leaf at depths 1 and 2; 6 rows), 3,2 (k=2: 2 leaves at depth 1, 1 at "
     "depth 2; 6 rows); "
     "1,1,1 is the k=3 chain. Widths 1..4. The tree's depth is k: leave -k out, or give auto (each step then "
-    "chooses the tree or a chain of 0..K drafts, whichever is expected fastest). With --hisparse, --hot-rows must hold the "
-    "leaves too. Which shape: more rows accept more (SmolLM2: 4,3,2,1 2.76 tokens per step against the k=4 "
-    "chain's 2.42) but each row costs time; on CPU the k=2 chain is fastest (docs/token-trees.md).")
+    "chooses the tree or a chain of 0..K drafts, whichever is expected fastest). With --hisparse, --hot-rows "
+    "must hold the leaves too. Which shape: more rows accept more (SmolLM2: 4,3,2,1 2.76 tokens per step against "
+    "the k=4 chain's 2.42) but each row costs time; on CPU the k=2 chain is fastest (docs/token-trees.md).")
 
 
 def tree_option(ctx, param, value):

@@ -47,18 +47,7 @@ def fixed_k_in_the_same_process(llm, prompt_ids: list, params, repeats: int) -> 
     (tokens/s of separate processes differ by more than the chooser's margins on this kind of machine); runs
     interleaved, best of `repeats` each."""
     from compiled_spec import SamplingParams
-
-    class Forced:
-        """Chooses one chain or the tree every step and learns nothing."""
-
-        def __init__(self, drafts):
-            self.drafts = drafts
-
-        def choose(self, bucket: int):
-            return self.drafts
-
-        def observe_step(self, *args) -> None:
-            pass
+    from compiled_spec.runtime.draft_timing import FixedDrafts
 
     engine = llm.engine
     chooser = engine.chooser
@@ -66,7 +55,7 @@ def fixed_k_in_the_same_process(llm, prompt_ids: list, params, repeats: int) -> 
     try:
         for _ in range(repeats):
             for drafts in [*chooser.candidates, "auto"]:
-                engine.chooser = chooser if drafts == "auto" else Forced(drafts)
+                engine.chooser = chooser if drafts == "auto" else FixedDrafts(drafts)
                 label = "auto" if drafts == "auto" else drafts_label(drafts)
                 # Untimed: a request is admitted with the k of the step before, which is now this run's own.
                 llm.generate(prompt_ids[:1], SamplingParams(max_tokens=2, ignore_eos=True))
@@ -157,8 +146,9 @@ def measure_engine(spec: dict) -> dict:
         # (seconds per step of each chain and the tree, acceptance).
         "steps_per_num_drafts": {str(key): count for key, count in sorted(stats.steps_per_num_drafts.items())},
         "tree_steps": stats.tree_steps,
-        "auto_step_seconds": {drafts_label(key): seconds
-                              for (_, key), seconds in sorted(engine.chooser.seconds.items())} if engine.chooser else None,
+        "auto_step_seconds": {drafts_label(drafts): seconds
+                              for (_, drafts), seconds in sorted(engine.chooser.seconds.items())}
+        if engine.chooser else None,
         "auto_acceptance_estimate": list(engine.chooser.acceptance) if engine.chooser else None,
         "auto_tree_acceptance_estimate": list(engine.chooser.tree_acceptance) if engine.chooser else None,
         "warmup_s": engine.startup.warmup_seconds,

@@ -41,7 +41,7 @@ def calibrate(engine: Engine, prompt_ids: list[int], max_tokens: int = 48) -> No
     for drafts in runs + [candidate for candidate in chooser.candidates if candidate.tree]:
         output = RequestOutput(prompt_token_ids=list(prompt_ids), stats=SpecStats(engine.max_drafts))
         request = Request(-1, list(prompt_ids), SamplingParams(max_tokens=max_tokens, ignore_eos=True), 0, output)
-        engine.chooser, engine.last_num_drafts = _FixedDrafts(drafts), drafts.k  # admits with k, steps with drafts
+        engine.chooser, engine.last_num_drafts = FixedDrafts(drafts), drafts.k  # admits with k, steps with drafts
         try:
             engine.admit(request)
             while engine.slots:
@@ -52,8 +52,8 @@ def calibrate(engine: Engine, prompt_ids: list[int], max_tokens: int = 48) -> No
                                 tree=drafts.tree)
 
 
-class _FixedDrafts:
-    """A chooser that always chooses the same chain or tree and learns nothing."""
+class FixedDrafts:
+    """A chooser that always chooses the same chain or tree and learns nothing (calibration; bench's forced runs)."""
 
     def __init__(self, drafts: Drafts):
         self.drafts = drafts

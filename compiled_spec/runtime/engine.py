@@ -149,7 +149,7 @@ class Engine:
         start = time.perf_counter()
         bucket = pick_bucket(self.batch_buckets, len(self.slots))
         batch = self.runner.batch_for(bucket, len(self.slots))
-        drafts = self.chooser.choose(bucket) if self.chooser else self.step_drafts()[0]
+        drafts = self.chooser.choose(bucket) if self.chooser else self.runner.step_drafts[0]
         self.last_num_drafts = drafts.k
         divergence = None
         checked = bool(self.canary and self.runner.mode != GraphMode.EAGER and self.canary.due(self.steps_run + 1))
