@@ -142,15 +142,17 @@ def measure_engine(spec: dict) -> dict:
         "accepted_per_position": stats.accepted_per_position,
         "acceptance_rate_per_position": stats.acceptance_rate_per_position,
         "mean_accepted_length": stats.mean_accepted_length if k else 1.0,
-        # k = auto: steps per k chosen (tree_steps: those that verified the tree), and the estimates it chose from
-        # (seconds per step of each chain and the tree, acceptance).
+        # k = auto: steps per k chosen (tree_steps: those that verified the tree; leaf_steps: those whose path
+        # ended on a leaf), and the estimates it chose from (seconds per step of each chain and the tree, the
+        # chains' acceptance per position, a leaf's where the chain's draft was rejected).
         "steps_per_num_drafts": {str(key): count for key, count in sorted(stats.steps_per_num_drafts.items())},
         "tree_steps": stats.tree_steps,
+        "leaf_steps": stats.leaf_steps,
         "auto_step_seconds": {drafts_label(drafts): seconds
                               for (_, drafts), seconds in sorted(engine.chooser.seconds.items())}
         if engine.chooser else None,
         "auto_acceptance_estimate": list(engine.chooser.acceptance) if engine.chooser else None,
-        "auto_tree_acceptance_estimate": list(engine.chooser.tree_acceptance) if engine.chooser else None,
+        "auto_leaf_acceptance_estimate": list(engine.chooser.leaf_acceptance) if engine.chooser else None,
         "warmup_s": engine.startup.warmup_seconds,
         "setup_s": setup_s,
         "graphs_compiled_while_timed": graphs_made(engine.runner) - graphs_before,

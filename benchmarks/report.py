@@ -39,7 +39,7 @@ def auto_rows(results: dict) -> list[str]:
     for r in cells:
         chosen = ", ".join(f"k={k}: {n}" for k, n in r.get("steps_per_num_drafts", {}).items())
         if r.get("tree_steps"):
-            chosen += f" (the tree: {r['tree_steps']})"
+            chosen += f" (the tree: {r['tree_steps']}, ended on a leaf: {r.get('leaf_steps', 0)})"
         forced = " / ".join(f"{number(rate)}" for k, rate in r.get("same_process_tokens_per_s", {}).items()
                             if k != "auto")
         lines.append(f"| {r['graph_mode']} | {r['batch_size']} | {chosen} | {number(r['tokens_per_s'])} | "

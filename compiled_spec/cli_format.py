@@ -67,6 +67,8 @@ def stats_record(stats: SpecStats) -> dict:
         "verified_per_position": stats.verified_per_position,
         "mean_accepted_length": stats.mean_accepted_length,
         "steps_per_num_drafts": {str(k): count for k, count in sorted(stats.steps_per_num_drafts.items())},
+        "tree_steps": stats.tree_steps,
+        "leaf_steps": stats.leaf_steps,
     }
 
 
@@ -126,6 +128,9 @@ class Summary:
             parts.append(f"k={k}{tree}, acceptance by draft position: {rates}")
             if k == "auto":
                 parts.append(f"chosen: {num_drafts_used(self.stats)}")
+            if self.stats.tree_steps:
+                parts.append(f"{self.stats.tree_steps} steps verified the tree, {self.stats.leaf_steps} ended on a "
+                             f"leaf")
             parts.append(f"mean accepted length {self.stats.mean_accepted_length:.2f} tokens/step "
                          f"over {self.stats.steps} steps")
         if self.weight_format:

@@ -62,7 +62,8 @@ class SpecStats:
 
     num_speculative_tokens is the most drafts a step verifies (K); with k = auto a step may verify fewer, and
     steps_per_num_drafts counts the steps by the k chosen for them. tree_steps counts those that verified the
-    token tree (under its depth in steps_per_num_drafts too)."""
+    token tree (under its depth in steps_per_num_drafts too), leaf_steps those whose accepted path ended on one of
+    its leaves (where the chain's draft was rejected)."""
 
     num_speculative_tokens: int
     steps: int = 0
@@ -71,6 +72,7 @@ class SpecStats:
     verified_per_position: list[int] = field(default_factory=list)
     steps_per_num_drafts: dict[int, int] = field(default_factory=dict)
     tree_steps: int = 0
+    leaf_steps: int = 0
 
     def __post_init__(self):
         if not self.accepted_per_position:
@@ -79,13 +81,15 @@ class SpecStats:
             self.verified_per_position = [0] * self.num_speculative_tokens
 
     def record(self, accepted: int, verified: int | None = None, num_drafts: int | None = None,
-               tree: bool = False) -> None:
+               tree: bool = False, on_leaf: bool = False) -> None:
         """One step that verified `verified` drafts (default K) and accepted the first `accepted`; num_drafts: the
-        k the step ran with (default: verified); tree: it verified the token tree."""
+        k the step ran with (default: verified); tree: it verified the token tree; on_leaf: its path ended on a
+        leaf."""
         verified = self.num_speculative_tokens if verified is None else verified
         num_drafts = verified if num_drafts is None else num_drafts
         self.steps += 1
         self.tree_steps += tree
+        self.leaf_steps += on_leaf
         self.drafted += verified
         self.steps_per_num_drafts[num_drafts] = self.steps_per_num_drafts.get(num_drafts, 0) + 1
         for position in range(verified):
@@ -111,6 +115,7 @@ class SpecStats:
     def merge(self, other: "SpecStats") -> None:
         self.steps += other.steps
         self.tree_steps += other.tree_steps
+        self.leaf_steps += other.leaf_steps
         self.drafted += other.drafted
         for position, count in enumerate(other.accepted_per_position):
             self.accepted_per_position[position] += count

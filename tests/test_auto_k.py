@@ -15,7 +15,7 @@ import torch
 
 from compiled_spec import LLM, SamplingParams
 from compiled_spec.config import GraphMode
-from compiled_spec.runtime.draft_chooser import DraftLengthChooser
+from compiled_spec.runtime.draft_chooser import DraftLengthChooser, LaneOutcome
 from compiled_spec.runtime.graph_modes import StepRunner, graphs_made
 from compiled_spec.speculative.step import Drafts
 from faults import step_without_draft_counts
@@ -32,10 +32,9 @@ PROMPT_LENGTHS = [3, 17, 5, 9, 30, 1, 12, 7]
 class ScheduledChooser(DraftLengthChooser):
     """Chooses from a fixed cycle of chains (k) and trees (Drafts(depth, tree=True)) instead of from estimates."""
 
-    def __init__(self, schedule: list[int | Drafts]):
+    def __init__(self, schedule: list[int | Drafts], draft_tree: tuple[int, ...] | None = None):
         schedule = [Drafts(entry) if isinstance(entry, int) else entry for entry in schedule]
-        super().__init__(max(drafts.k for drafts in schedule),
-                         tree_depth=next((drafts.k for drafts in schedule if drafts.tree), None))
+        super().__init__(max(drafts.k for drafts in schedule), draft_tree=draft_tree)
         self.schedule = itertools.cycle(schedule)
 
     def choose(self, bucket: int) -> Drafts:
@@ -199,7 +198,7 @@ def test_the_chooser_maximizes_expected_tokens_per_second():
     assert chooser.choose(1) == Drafts(1)
     chooser.acceptance = [0.1, 0.1, 0.1]
     assert chooser.choose(1) == Drafts(0)
-    chooser.observe_acceptance(verified=2, accepted=2)  # both hits; position 3 was not verified
+    chooser.observe_step(1, Drafts(3), 1.6, [LaneOutcome(verified=2, accepted=2)])  # 2 hits; position 3 not verified
     assert chooser.acceptance[2] == 0.1 and chooser.acceptance[0] > 0.1
 
 
@@ -256,32 +255,58 @@ def test_a_stale_draft_count_is_caught(prompts, plain_tokens, eager_switching):
     assert "decode state updated outside the graph: draft_counts" in audit_failure(raised.value)
 
 
-def test_the_tree_step_has_acceptance_estimates_of_its_own():
+def test_every_step_updates_the_chains_estimate_and_the_tree_follows_it():
+    """A tree step tests the chain's draft at each depth first, with the chain's own test, so it moves the chains'
+    estimates too: a path that ended on a leaf at depth d is a chain step that accepted d - 1. What only a tree step
+    shows is a leaf's acceptance where the chain's draft was rejected. The tree's expected tokens are built from
+    both, so they follow the chains' while the tree is not chosen."""
     tree = Drafts(2, tree=True)
-    chooser = DraftLengthChooser(max_drafts=2, tree_depth=2)
+    chooser = DraftLengthChooser(max_drafts=2, draft_tree=(2, 1))
     assert chooser.candidates == [Drafts(0), Drafts(1), Drafts(2), tree]
-    chooser.seconds = {(1, Drafts(0)): 1.0, (1, Drafts(1)): 1.2, (1, Drafts(2)): 1.5, (1, tree): 1.5}
-    chooser.acceptance = [0.6, 0.2]  # chains: 1, 1.6 / 1.2 = 1.33, 1.72 / 1.5 = 1.15
-    chooser.tree_acceptance = [0.9, 0.5]  # the tree: 1 + 0.9 + 0.45 = 2.35 / 1.5 = 1.57
-    assert chooser.choose(1) == tree
-    chooser.observe_step(1, tree, 1.5, [(2, 0)])  # a tree step rejected at depth 1: the tree's estimate moves
-    assert chooser.tree_acceptance[0] < 0.9 and chooser.acceptance == [0.6, 0.2]
-    chooser.observe_step(1, Drafts(1), 1.2, [(1, 1)])  # a chain step
-    assert chooser.acceptance[0] > 0.6 and chooser.tree_acceptance[1] == 0.5
+    assert chooser.leaf_acceptance == [1.0, 0.0]  # depth 2 has no leaf
+    chooser.acceptance = [0.6, 0.5]  # chains: 1, 1.6, 1.9
+    chooser.leaf_acceptance = [0.5, 0.0]  # the tree: 1 + (0.6 + 0.4 * 0.5) + 0.6 * 0.5 = 2.1
+    assert chooser.expected_tokens(tree) == pytest.approx(2.1)
+    chooser.seconds = {(1, Drafts(0)): 1.0, (1, Drafts(1)): 1.2, (1, Drafts(2)): 1.4, (1, tree): 1.5}
+    assert chooser.choose(1) == tree  # 2.1 / 1.5 = 1.4 against 1.9 / 1.4 = 1.36
+    # A tree step whose path ended on the depth-1 leaf: the chain's depth-1 draft was rejected.
+    chooser.observe_step(1, tree, 1.5, [LaneOutcome(verified=2, accepted=1, on_leaf=True)])
+    assert chooser.acceptance[0] < 0.6 and chooser.acceptance[1] == 0.5 and chooser.leaf_acceptance[0] > 0.5
+    # A tree step that accepted the chain's two drafts: both chain positions hit, no leaf was tested.
+    leaf_before = list(chooser.leaf_acceptance)
+    chooser.observe_step(1, tree, 1.5, [LaneOutcome(verified=2, accepted=2)])
+    assert chooser.acceptance[1] > 0.5 and chooser.leaf_acceptance == leaf_before
+    # Chain steps that reject depth 1 lower the tree's estimate too, though its leaves were not tested.
+    before = chooser.expected_tokens(tree)
+    for _ in range(40):
+        chooser.observe_step(1, Drafts(2), 1.4, [LaneOutcome(verified=2, accepted=0)])
+    assert chooser.expected_tokens(tree) < before - 0.2 and chooser.leaf_acceptance == leaf_before
+
+
+def test_calibration_steps_seed_the_chains_and_the_leaves():
+    chooser = DraftLengthChooser(max_drafts=2, draft_tree=(3, 2))
+    chain, tree = Drafts(2), Drafts(2, tree=True)
+    chooser.seed_acceptance([(chain, LaneOutcome(2, 2)), (chain, LaneOutcome(2, 0)),
+                             (tree, LaneOutcome(2, 1, on_leaf=True)), (tree, LaneOutcome(2, 2, on_leaf=True)),
+                             (tree, LaneOutcome(2, 0))])
+    # Depth 1: the chain's draft accepted in 2 of 5 steps; depth 2 reached by those 2, accepted in 1.
+    assert chooser.acceptance == [2 / 5, 1 / 2]
+    # Leaves tested where the chain's draft was rejected: at depth 1 in 2 steps (one accepted), at depth 2 in one.
+    assert chooser.leaf_acceptance == [1 / 2, 1.0]
 
 
 def test_the_tree_competes_with_the_chain_of_its_depth():
     """The tree drafts what the chain of its depth drafts and verifies more rows: where its extra acceptance does
     not pay for those rows the chain of its depth wins, not a shorter chain."""
     tree = Drafts(2, tree=True)
-    chooser = DraftLengthChooser(max_drafts=3, tree_depth=2)
+    chooser = DraftLengthChooser(max_drafts=3, draft_tree=(2, 1))
     chooser.seconds = {(1, Drafts(0)): 1.0, (1, Drafts(1)): 1.2, (1, Drafts(2)): 1.4, (1, Drafts(3)): 1.9,
                        (1, tree): 1.8}
     chooser.acceptance = [0.7, 0.6, 0.2]  # chains per second: 1, 1.7 / 1.2 = 1.42, 2.12 / 1.4 = 1.51, 2.20 / 1.9 = 1.16
-    chooser.tree_acceptance = [0.8, 0.6]  # the tree: 1 + 0.8 + 0.48 = 2.28 / 1.8 = 1.27
+    chooser.leaf_acceptance = [1 / 3, 0.0]  # the tree: 1 + 0.7 + 0.3 / 3 + 0.42 = 2.22 / 1.8 = 1.23
     assert chooser.choose(1) == Drafts(2)
     chooser.seconds.update({(2, drafts): seconds for (_, drafts), seconds in chooser.seconds.items()})
-    chooser.seconds[(2, tree)] = 1.45  # in another bucket its rows cost less: 2.28 / 1.45 = 1.57
+    chooser.seconds[(2, tree)] = 1.4  # in another bucket its rows cost less: 2.22 / 1.4 = 1.59
     assert chooser.choose(2) == tree
 
 
@@ -292,12 +317,12 @@ def test_auto_with_a_tree_is_calibrated_for_both_and_keeps_greedy_output(prompts
     assert chooser.candidates == [Drafts(0), Drafts(1), Drafts(2), Drafts(2, tree=True)]
     assert {drafts for _, drafts in chooser.seconds} == set(chooser.candidates)  # each step timed at warm-up
     # Calibration decoded with the K=2 chain and with the tree: no estimate is the untouched 1.0.
-    assert max(chooser.acceptance) < 1.0 and max(chooser.tree_acceptance) < 1.0
+    assert max(chooser.acceptance) < 1.0 and max(chooser.leaf_acceptance) < 1.0
     assert [o.token_ids for o in llm.generate(texts, GREEDY)] == plain_tokens
     # Switching between chains and the tree mid-request, the chain of the tree's depth included (a tree step then
     # verifies leaves a chain step drafted, or none), keeps the output too.
     llm.engine.chooser = ScheduledChooser([2, Drafts(2, tree=True), 1, Drafts(2, tree=True), Drafts(2, tree=True),
-                                           0, 2, 2, Drafts(2, tree=True)])
+                                           0, 2, 2, Drafts(2, tree=True)], draft_tree=(2, 2))
     records = record_steps(llm)
     outputs = llm.generate(texts, GREEDY)
     assert [o.token_ids for o in outputs] == plain_tokens

@@ -227,6 +227,8 @@ def test_metrics_counters_agree_with_the_responses(server):
     assert delta(f"spec_decode_num_drafts_total{label}") == sum(s["num_drafts"] for s in spec) > 0
     assert delta(f"spec_decode_num_draft_tokens_total{label}") == sum(s["num_draft_tokens"] for s in spec)
     assert delta(f"spec_decode_num_accepted_tokens_total{label}") == sum(s["num_accepted_tokens"] for s in spec)
+    for name in ("tree_steps", "leaf_steps"):  # a chain server: every step verified the chain
+        assert delta(f"spec_decode_num_{name}_total{label}") == sum(s[f"num_{name}"] for s in spec) == 0
     for position in range(K):
         name = f'spec_decode_num_accepted_tokens_per_pos_total{{model_name="tiny",position="{position}"}}'
         assert delta(name) == sum(s["num_accepted_tokens_per_pos"][position] for s in spec)

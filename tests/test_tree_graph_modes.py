@@ -2,9 +2,9 @@
 and in every step's accepted path, with no recompile, also with HiSparse; greedy output equals plain decoding's.
 
 The workload of test_graph_modes.py (more requests than slots, mixed prompt lengths, prompts past the prefill
-bucket) with the tree (2, 2). The tokens and accepted count of each step fix the path it took (a chain node or a
-leaf at its last depth). Compiling the step runs the graph passes, so the state-mutation audit checks the tree step's
-writes (draft_leaves, and the leaf's rows moved in the main caches) too.
+bucket) with the tree (2, 2). The tokens, accepted count and leaf flag of each step fix the path it took (a chain
+node or a leaf at its last depth). Compiling the step runs the graph passes, so the state-mutation audit checks the
+tree step's writes (draft_leaves, the leaf's rows moved in the main caches, step_on_leaf) too.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import torch
 from compiled_spec import LLM, HiSparseConfig
 from compiled_spec.runtime.graph_modes import graphs_made
 from faults import prefilling_in_eager
+from test_auto_k import record_steps
 from test_graph_modes import run_workload, workload  # noqa: F401 (a fixture)
 from test_hisparse import fused_op_calls
 
@@ -23,10 +24,23 @@ ENGINE = dict(max_batch_size=4, max_seq_len=64, batch_buckets=(4,), prefill_buck
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("tree_engines")]
 
 
+def run_tree_workload(llm: LLM, prompts):
+    """The tokens, every step's (request, accepted) lanes, and every step's per-lane flag: the path ended on a leaf."""
+    records = record_steps(llm)
+    tokens, steps = run_workload(llm, prompts)
+    return tokens, steps, [record.on_leaf for record in records]
+
+
+def leaf_lanes(result) -> list[int]:
+    """The accepted count of every lane whose path ended on a leaf."""
+    _, steps, leaves = result
+    return [accepted for lanes, flags in zip(steps, leaves) for (_, accepted), leaf in zip(lanes, flags) if leaf]
+
+
 @pytest.fixture(scope="module")
 def eager_result(workload):
     path, prompts = workload
-    return run_workload(LLM(path, graph_mode="eager", draft_tree=TREE, **ENGINE), prompts)
+    return run_tree_workload(LLM(path, graph_mode="eager", draft_tree=TREE, **ENGINE), prompts)
 
 
 @pytest.mark.parametrize("mode", ["compile", "piecewise", "full"])
@@ -38,7 +52,7 @@ def test_tree_steps_equal_eager_in_every_mode_without_recompiles(workload, eager
     llm.engine.startup.warm_up(show_progress=False)
     warm_up_graphs = graphs_made(llm.engine.runner)
     with torch.compiler.set_stance("fail_on_recompile"):
-        result = run_workload(llm, prompts)
+        result = run_tree_workload(llm, prompts)
     assert result == eager_result
     assert warm_up_graphs > 0 and graphs_made(llm.engine.runner) == warm_up_graphs
 
@@ -48,10 +62,11 @@ def test_greedy_tree_output_equals_plain_decoding_and_the_leaves_are_used(worklo
     plain_tokens, _ = run_workload(LLM(path, graph_mode="eager", num_speculative_tokens=0, **ENGINE), prompts)
     chain_tokens, chain_steps = run_workload(LLM(path, graph_mode="eager", num_speculative_tokens=len(TREE),
                                                  **ENGINE), prompts)
-    tree_tokens, tree_steps = eager_result
+    tree_tokens, tree_steps, _ = eager_result
     assert tree_tokens == plain_tokens == chain_tokens
     # The same tokens in fewer steps: some paths ended on a leaf where the chain's draft was rejected.
     assert len(tree_steps) < len(chain_steps), (len(tree_steps), len(chain_steps))
+    assert leaf_lanes(eager_result) and min(leaf_lanes(eager_result)) >= 1
 
 
 # --- with HiSparse ---------------------------------------------------------------------------------------------
@@ -65,7 +80,7 @@ SPARSE = HiSparseConfig(top_k_tokens=4, hot_rows=16)
 @pytest.fixture(scope="module")
 def sparse_eager_result(workload):
     path, prompts = workload
-    return run_workload(LLM(path, graph_mode="eager", draft_tree=TREE, hisparse=SPARSE, **ENGINE), prompts)
+    return run_tree_workload(LLM(path, graph_mode="eager", draft_tree=TREE, hisparse=SPARSE, **ENGINE), prompts)
 
 
 def test_with_hisparse_greedy_tree_output_equals_plain_decoding_and_the_leaves_are_used(workload, sparse_eager_result):
@@ -75,10 +90,11 @@ def test_with_hisparse_greedy_tree_output_equals_plain_decoding_and_the_leaves_a
     chain_tokens, chain_steps = run_workload(LLM(path, graph_mode="eager", num_speculative_tokens=len(TREE),
                                                  hisparse=SPARSE, **ENGINE), prompts)
     dense_tokens, _ = run_workload(LLM(path, graph_mode="eager", num_speculative_tokens=0, **ENGINE), prompts)
-    tree_tokens, tree_steps = sparse_eager_result
+    tree_tokens, tree_steps, _ = sparse_eager_result
     assert tree_tokens == plain_tokens == chain_tokens
     assert tree_tokens != dense_tokens  # four past tokens per query do change the text
     assert len(tree_steps) < len(chain_steps), (len(tree_steps), len(chain_steps))
+    assert leaf_lanes(sparse_eager_result)
 
 
 def test_with_hisparse_full_equals_eager_without_recompiles(workload, sparse_eager_result):
@@ -90,7 +106,7 @@ def test_with_hisparse_full_equals_eager_without_recompiles(workload, sparse_eag
     llm.engine.startup.warm_up(show_progress=False)
     warm_up_graphs = graphs_made(llm.engine.runner)
     with torch.compiler.set_stance("fail_on_recompile"):
-        result, calls = fused_op_calls(lambda: run_workload(llm, prompts))
+        result, calls = fused_op_calls(lambda: run_tree_workload(llm, prompts))
     assert result == sparse_eager_result
     assert calls == 3 * len(result[1])  # the fused sparse attention: the main layer and both draft depths, every step
     assert warm_up_graphs > 0 and graphs_made(llm.engine.runner) == warm_up_graphs

@@ -1,47 +1,62 @@
 """k = auto: before each step, the chain of k drafts (or the token tree) that maximizes expected tokens per second.
 
-Expected tokens of a step that drafts k: 1 + sum over j <= k of a_1 * ... * a_j, where a_i is the running
-chance that draft i is accepted once drafts 1..i-1 were (decayed per observation, seeded by a calibration
-request at warm-up). Seconds per step: per (batch bucket, chain or tree), the fastest of several rounds over the
-compiled graphs at warm-up. Live step times do not update them: one slow step would make its k look costly, and a k
-that is not chosen is never measured again to correct it. k=0 is always a candidate, so by these estimates
-no step is chosen to be slower per token than plain decoding.
+Expected tokens of a chain step that drafts k: 1 + sum over j <= k of a_1 * ... * a_j, where a_i is the running
+chance that draft i is accepted once drafts 1..i-1 were (decayed per observation, seeded by calibration requests at
+warm-up). Seconds per step: per (batch bucket, chain or tree), the fastest of several rounds over the compiled graphs
+at warm-up. Live step times do not update them: one slow step would make its k look costly, and a k that is not
+chosen is never measured again to correct it. k=0 is always a candidate, so by these estimates no step is chosen
+to be slower per token than plain decoding.
 
 A step that drafts k runs draft depths 1..k only (speculative/step.py), so after steps at a smaller k the deeper
 depths hold stale rows. The chooser therefore keeps its last choice in a bucket until another is expected to be
 switch_margin faster: near-equal estimates do not make it flap between two.
 
-With a token tree (speculative/tree.py) its step is a candidate beside every chain, the chain of its depth included:
-it drafts what that chain drafts and verifies more rows, so its acceptance per depth is its own (a leaf can accept
-where the chain's draft was rejected), estimated apart from the chains', and its seconds are its own.
+With a token tree (speculative/tree.py) its step is a candidate beside every chain, the chain of its depth included.
+It drafts what that chain drafts and tests the chain's draft at each depth first, with the chain's own test, so
+every step, chain or tree, updates the chains' a_i: a tree step whose path ended on a leaf at depth d is a chain step
+that accepted d - 1. What only a tree step shows is l_d, the chance that a leaf at depth d is accepted when the
+chain's draft there was rejected; a leaf ends the path, so the tree's expected tokens are
+1 + sum over d of a_1 * ... * a_{d-1} * (a_d + (1 - a_d) * l_d). The tree's estimate thus follows the chains' while
+the tree is not chosen (before, it kept the estimate of its last steps, and a stale one could keep choosing it).
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 from ..speculative.step import Drafts
+
+
+class LaneOutcome(NamedTuple):
+    """What one lane's step verified: drafts verified, drafts accepted, and whether the last accepted one was a leaf
+    of the token tree."""
+
+    verified: int
+    accepted: int
+    on_leaf: bool = False
 
 
 class DraftLengthChooser:
     def __init__(self, max_drafts: int, acceptance_decay: float = 0.98, switch_margin: float = 0.03,
-                 tree_depth: int | None = None):
+                 draft_tree: tuple[int, ...] | None = None):
         self.max_drafts = max_drafts
         self.switch_margin = switch_margin
-        # Every chain 0..K, then the token tree (its depth is at most K; None: chains only).
-        self.candidates = [Drafts(k) for k in range(max_drafts + 1)] + ([Drafts(tree_depth, True)] if tree_depth
-                                                                         else [])
+        self.draft_tree = tuple(draft_tree or ())  # widths per depth; () without a tree
+        # Every chain 0..K, then the token tree (its depth is at most K).
+        self.candidates = [Drafts(k) for k in range(max_drafts + 1)] + ([Drafts(len(self.draft_tree), True)]
+                                                                         if self.draft_tree else [])
         self.chosen: dict[int, Drafts] = {}  # bucket -> what was last chosen for it from timed estimates
-        self.acceptance = [1.0] * max_drafts  # optimistic until observed: calibration replaces it
-        self.tree_acceptance = [1.0] * (tree_depth or 0)
+        self.acceptance = [1.0] * max_drafts  # a_i, optimistic until observed: calibration replaces it
+        # l_d per depth of the tree; 0 where the depth has no leaves.
+        self.leaf_acceptance = [1.0 if width > 1 else 0.0 for width in self.draft_tree]
         self.seconds: dict[tuple[int, Drafts], float] = {}  # (bucket, chain or tree) -> seconds per step
         self.acceptance_decay = acceptance_decay
 
-    def rates(self, drafts: Drafts) -> list[float]:
-        """The running acceptance per position of a step: the tree's, or the chains'."""
-        return self.tree_acceptance if drafts.tree else self.acceptance
-
     def expected_tokens(self, drafts: Drafts) -> float:
         total, reach = 1.0, 1.0
-        for rate in self.rates(drafts)[:drafts.k]:
+        for depth, rate in enumerate(self.acceptance[:drafts.k]):
+            if drafts.tree:
+                total += reach * (1 - rate) * self.leaf_acceptance[depth]
             reach *= rate
             total += reach
         return total
@@ -61,28 +76,39 @@ class DraftLengthChooser:
         self.chosen[bucket] = best
         return best
 
-    def observe_step(self, bucket: int, drafts: Drafts, seconds: float, lanes: list[tuple[int, int]]) -> None:
-        """lanes: per lane, (drafts it verified, drafts accepted). A lane verifies fewer than k drafts when the
-        step before it drafted fewer; positions it did not verify tell nothing. `seconds` is kept only for a
-        (bucket, chain or tree) that warm-up did not time."""
+    def observe_step(self, bucket: int, drafts: Drafts, seconds: float, lanes: list[LaneOutcome]) -> None:
+        """A lane verifies fewer than k drafts when the step before it drafted fewer; positions it did not verify
+        tell nothing. `seconds` is kept only for a (bucket, chain or tree) that warm-up did not time."""
         self.seconds.setdefault((bucket, drafts), seconds)
-        for verified, accepted in lanes:
-            self.observe_acceptance(verified, accepted, tree=drafts.tree)
+        decay = self.acceptance_decay
+        for lane in lanes:
+            chain, leaf = self.observations(drafts, lane)
+            for position, hit in chain:
+                self.acceptance[position] = decay * self.acceptance[position] + (1 - decay) * hit
+            for depth, hit in leaf:
+                self.leaf_acceptance[depth] = decay * self.leaf_acceptance[depth] + (1 - decay) * hit
 
-    def observe_acceptance(self, verified: int, accepted: int, tree: bool = False) -> None:
-        """Drafts 1..accepted were accepted and, if accepted < verified, draft accepted+1 was rejected (tree: by
-        the tree's step)."""
-        decay, rates = self.acceptance_decay, self.tree_acceptance if tree else self.acceptance
-        for position in range(min(accepted + 1, verified)):
-            hit = 1.0 if position < accepted else 0.0
-            rates[position] = decay * rates[position] + (1 - decay) * hit
+    def seed_acceptance(self, steps: list[tuple[Drafts, LaneOutcome]]) -> None:
+        """Replaces the running estimates by the rates calibration steps measured; an estimate no step observed
+        keeps its value."""
+        chain_counts = [[0, 0] for _ in self.acceptance]  # per position: hits, observations
+        leaf_counts = [[0, 0] for _ in self.leaf_acceptance]
+        for drafts, lane in steps:
+            for counts, observed in zip((chain_counts, leaf_counts), self.observations(drafts, lane)):
+                for index, hit in observed:
+                    counts[index][0] += hit
+                    counts[index][1] += 1
+        for rates, counts in ((self.acceptance, chain_counts), (self.leaf_acceptance, leaf_counts)):
+            for index, (hits, observed) in enumerate(counts):
+                if observed:
+                    rates[index] = hits / observed
 
-    def seed_acceptance(self, accepted_per_position: list[int], verified_per_position: list[int],
-                        tree: bool = False) -> None:
-        """Replaces the running rates by those a calibration run measured (conditional on the previous position);
-        tree: the run's steps verified the tree."""
-        rates = self.tree_acceptance if tree else self.acceptance
-        for position in range(min(len(rates), len(verified_per_position))):
-            reached = accepted_per_position[position - 1] if position else verified_per_position[0]
-            if verified_per_position[position] and reached:
-                rates[position] = accepted_per_position[position] / min(reached, verified_per_position[position])
+    def observations(self, drafts: Drafts, lane: LaneOutcome) -> tuple[list[tuple[int, bool]], list[tuple[int, bool]]]:
+        """(position, accepted) of each chain draft the lane tested: drafts 1..n were accepted and, if n < verified,
+        draft n+1 was rejected, n being the accepted count less a final leaf; and with a tree, (depth, accepted) of
+        the leaves tested where the chain's draft was rejected."""
+        chain_accepted = lane.accepted - lane.on_leaf
+        chain = [(position, position < chain_accepted) for position in range(min(chain_accepted + 1, lane.verified))]
+        rejected = chain_accepted  # the depth index whose chain draft was rejected, if one was
+        leaf_tested = drafts.tree and rejected < lane.verified and self.draft_tree[rejected] > 1
+        return chain, [(rejected, lane.on_leaf)] if leaf_tested else []

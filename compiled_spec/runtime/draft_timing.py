@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 from ..params import RequestOutput, SamplingParams, SpecStats
 from ..speculative.step import Drafts
+from .draft_chooser import LaneOutcome
 from .request import Request
 
 if TYPE_CHECKING:
@@ -35,31 +36,35 @@ def time_steps(engine: Engine, rounds: int = 9) -> None:
 
 def calibrate(engine: Engine, prompt_ids: list[int], max_tokens: int = 48) -> None:
     """Decodes one greedy request with the longest chain (K drafts) and, with a token tree, one with the tree, and
-    seeds the chooser's acceptance estimates from them."""
+    seeds the chooser's acceptance estimates from the steps of both."""
     chooser = engine.chooser
     runs = [Drafts(chooser.max_drafts)] if chooser.max_drafts else []
+    steps = []
     for drafts in runs + [candidate for candidate in chooser.candidates if candidate.tree]:
         output = RequestOutput(prompt_token_ids=list(prompt_ids), stats=SpecStats(engine.max_drafts))
         request = Request(-1, list(prompt_ids), SamplingParams(max_tokens=max_tokens, ignore_eos=True), 0, output)
-        engine.chooser, engine.last_num_drafts = FixedDrafts(drafts), drafts.k  # admits with k, steps with drafts
+        fixed = FixedDrafts(drafts)
+        engine.chooser, engine.last_num_drafts = fixed, drafts.k  # admits with k, steps with drafts
         try:
             engine.admit(request)
             while engine.slots:
                 engine.step()
         finally:
             engine.chooser = chooser
-        chooser.seed_acceptance(output.stats.accepted_per_position, output.stats.verified_per_position,
-                                tree=drafts.tree)
+        steps += fixed.observed
+    chooser.seed_acceptance(steps)
 
 
 class FixedDrafts:
-    """A chooser that always chooses the same chain or tree and learns nothing (calibration; bench's forced runs)."""
+    """A chooser that always chooses the same chain or tree (calibration; bench's forced runs) and keeps what each
+    lane's step verified: [(drafts, LaneOutcome)]."""
 
     def __init__(self, drafts: Drafts):
         self.drafts = drafts
+        self.observed: list[tuple[Drafts, LaneOutcome]] = []
 
     def choose(self, bucket: int) -> Drafts:
         return self.drafts
 
-    def observe_step(self, *args) -> None:
-        pass
+    def observe_step(self, bucket: int, drafts: Drafts, seconds: float, lanes: list[LaneOutcome]) -> None:
+        self.observed += [(drafts, lane) for lane in lanes]

@@ -23,7 +23,7 @@ from ..speculative.step import Drafts
 from .buckets import pick_bucket
 from .canary import GraphCanary
 from .decode_setup import allocate_state, batch_buckets, prefill_buckets, step_constants
-from .draft_chooser import DraftLengthChooser
+from .draft_chooser import DraftLengthChooser, LaneOutcome
 from .graph_modes import StepRunner
 from .request import Request, StepRecord, TokenCallback
 from .startup import GraphStartup, StartOptions
@@ -38,8 +38,7 @@ class Engine:
         self.config = config
         self.tokenizer = tokenizer
         self.max_drafts = config.max_drafts  # K: draft slots in the state; a step drafts k <= K of them
-        self.chooser = DraftLengthChooser(self.max_drafts, tree_depth=len(config.draft_tree) if config.draft_tree
-                                          else None) if config.auto else None
+        self.chooser = DraftLengthChooser(self.max_drafts, draft_tree=config.draft_tree) if config.auto else None
         self.state = allocate_state(model, config)
         self.constants = step_constants(model, config, self.state, eos_ids)
         self.eos_ids = set(eos_ids)
@@ -135,7 +134,7 @@ class Engine:
         if params.stop and self.tokenizer is not None:
             request.detokenizer = IncrementalDetokenizer(self.tokenizer, params.stop)
         self.slots.append(request)
-        finished, _, _ = self._collect(slot + 1, on_tokens, first_slot=slot, record_stats=False)
+        finished, _, _, _ = self._collect(slot + 1, on_tokens, first_slot=slot, record_stats=False)
         return finished
 
     def _prefill_drafts(self) -> int:
@@ -157,16 +156,16 @@ class Engine:
             divergence = self.canary.checked_step(self, batch, drafts, self.steps_run + 1)
         else:
             self.runner.step(batch, drafts)
-        finished, lanes, verified = self._collect(len(self.slots), on_tokens, first_slot=0, record_stats=True,
-                                                  drafts=drafts)
+        finished, lanes, verified, on_leaf = self._collect(len(self.slots), on_tokens, first_slot=0,
+                                                           record_stats=True, drafts=drafts)
         seconds = time.perf_counter() - start
         self.steps_run += 1
         if self.canary:
             self.canary.observe(self.steps_run, seconds, checked)
         if self.chooser:
-            self.chooser.observe_step(bucket, drafts, seconds,
-                                      [(v, accepted) for v, (_, accepted) in zip(verified, lanes)])
-        return StepRecord(finished, lanes, seconds, drafts.k, verified, divergence, drafts.tree)
+            outcomes = [LaneOutcome(v, accepted, leaf) for v, (_, accepted), leaf in zip(verified, lanes, on_leaf)]
+            self.chooser.observe_step(bucket, drafts, seconds, outcomes)
+        return StepRecord(finished, lanes, seconds, drafts.k, verified, divergence, drafts.tree, on_leaf)
 
     def abort(self, index: int) -> Request | None:
         """Drops the waiting request with this index, or frees the slot of the running one (between steps); None if
@@ -189,23 +188,25 @@ class Engine:
         """Reads what slots first_slot..end-1 emitted (one device-to-host copy) and frees finished slots.
 
         drafts: what the step verified and drafted. Returns the finished requests, per lane (request index, accepted
-        drafts), and per lane the drafts it verified.
+        drafts), per lane the drafts it verified, and per lane whether its path ended on a leaf of the token tree.
         """
         s = self.state
         packed = torch.cat(
             [s.step_tokens[first_slot:end], s.step_emitted[first_slot:end, None], s.step_accepted[first_slot:end, None],
-             s.step_verified[first_slot:end, None], s.done[first_slot:end, None].long()], dim=1
+             s.step_verified[first_slot:end, None], s.step_on_leaf[first_slot:end, None].long(),
+             s.done[first_slot:end, None].long()], dim=1
         ).tolist()
-        finished, finished_slots, lanes, verified_counts = [], [], [], []
+        finished, finished_slots, lanes, verified_counts, on_leaf = [], [], [], [], []
         for offset, row in enumerate(packed):
             slot = first_slot + offset
             request = self.slots[slot]
-            tokens, count, accepted, verified, done = row[: self.max_drafts + 1], *row[-4:-1], bool(row[-1])
+            tokens, (count, accepted, verified, leaf, done) = row[: self.max_drafts + 1], row[self.max_drafts + 1:]
             if record_stats:
                 lanes.append((request.index, accepted))
                 verified_counts.append(verified)
+                on_leaf.append(bool(leaf))
                 if self.max_drafts > 0:
-                    request.output.stats.record(accepted, verified, drafts.k, tree=drafts.tree)
+                    request.output.stats.record(accepted, verified, drafts.k, tree=drafts.tree, on_leaf=bool(leaf))
             kept = len(request.output.token_ids)
             stopped = self._append(request, tokens[:count])
             new_tokens = request.output.token_ids[kept:]  # a stop string drops the tokens after it
@@ -217,7 +218,7 @@ class Engine:
                 finished_slots.append(slot)
         for slot in reversed(finished_slots):
             self._free(slot)
-        return finished, lanes, verified_counts
+        return finished, lanes, verified_counts, on_leaf
 
     def _append(self, request: Request, new_tokens: list[int]) -> bool:
         """Adds tokens; returns True when a stop string appeared (tokens after it are dropped)."""

@@ -33,3 +33,4 @@ class StepRecord:
     verified: list[int] | None = None  # per lane: drafts it verified (fewer than k after a step with a smaller k)
     divergence: Divergence | None = None  # the canary checked this step and found the compiled one wrong
     tree: bool = False  # the step verified the token tree (num_drafts: its depth)
+    on_leaf: list[bool] | None = None  # per lane: its accepted path ended on one of the tree's leaves

@@ -55,16 +55,16 @@ class GraphStartup:
 
     def warm_up_graphs(self, runner: StepRunner | None = None) -> list[tuple[str, int, Drafts]]:
         """(kind, size, drafts) of every graph warm-up makes for `runner` (default: the engine's): each batch bucket
-        for every chain or tree the engine steps with (engine.step_drafts()) and, if the runner compiles prefill,
+        for every chain or tree the runner steps with (runner.step_drafts) and, if the runner compiles prefill,
         each prefill bucket (or, full on CPU, one prefill package for every width up to the largest) for every k
-        of those.
+        of those (runner.draft_lengths).
 
         Full on CPU: the one step package for every batch (the longest compile, so it goes first), then the one
         prefill package; compile processes take them in this order."""
         engine = self.engine
         runner = runner or engine.runner
-        steps = engine.step_drafts()
-        prefill_drafts = [Drafts(k) for k in sorted({drafts.k for drafts in steps})]
+        steps = runner.step_drafts
+        prefill_drafts = [Drafts(k) for k in runner.draft_lengths]
         sizes = [runner.step_batches[1]] if runner.step_batches else list(reversed(engine.batch_buckets))
         graphs = [("step", size, drafts) for size in sizes for drafts in steps]
         if runner.prefill_widths:  # one package covers every width (full on CPU); the longest compiles go first

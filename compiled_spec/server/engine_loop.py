@@ -197,7 +197,7 @@ class EngineLoop:
             return
         self._steps += 1
         self.metrics.record_step([accepted for _, accepted in record.lanes], record.verified, record.num_drafts,
-                                 record.tree)
+                                 record.tree, record.on_leaf)
         if record.divergence is not None:
             self.metrics.graph_divergence.inc()
         if self._step_log:

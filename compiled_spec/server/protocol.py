@@ -182,6 +182,7 @@ def spec_decode_stats(stats: SpecStats) -> dict:
         "mean_accepted_length": stats.mean_accepted_length,
         "num_steps_per_num_drafts": {str(k): count for k, count in sorted(stats.steps_per_num_drafts.items())},
         "num_tree_steps": stats.tree_steps,
+        "num_leaf_steps": stats.leaf_steps,
     }
 
 

@@ -43,6 +43,7 @@ class DecodeState:
     step_emitted: torch.Tensor  # [slots] int64
     step_accepted: torch.Tensor  # [slots] int64
     step_verified: torch.Tensor  # [slots] int64: drafts the last step verified (its k, or fewer the slot held)
+    step_on_leaf: torch.Tensor  # [slots] bool: the last step's accepted path ended on a token tree's leaf
     # KV caches [slots, capacity, kv_heads, head_dim]: one per main layer, one per draft depth.
     main_keys: list[torch.Tensor]
     main_values: list[torch.Tensor]
@@ -142,6 +143,7 @@ class DecodeState:
             step_emitted=zeros(num_slots),
             step_accepted=zeros(num_slots),
             step_verified=zeros(num_slots),
+            step_on_leaf=zeros(num_slots, dtype=torch.bool),
             main_keys=caches(config.num_hidden_layers),
             main_values=caches(config.num_hidden_layers),
             draft_keys=caches(k),

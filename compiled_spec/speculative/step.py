@@ -110,7 +110,7 @@ def state_writes(state: DecodeState, constants: StepConstants, k: int) -> tuple[
     """The DecodeState fields the step or prefill drafting k updates (checked by passes/state_mutation)."""
     depths = k
     names = ["pending_tokens", "seq_lens", "generated", "done", "step_tokens", "step_emitted", "step_accepted",
-             "step_verified"]
+             "step_verified", "step_on_leaf"]
     names += [f"main_keys[{i}]" for i in range(len(state.main_keys))]
     names += [f"main_values[{i}]" for i in range(len(state.main_values))]
     if max_drafts(state) > 0:
@@ -352,6 +352,7 @@ def speculative_step(model: CausalLM, state: DecodeState, constants: StepConstan
     _write_rows(state.step_emitted, rows, count)
     _write_rows(state.step_accepted, rows, torch.where(active, accepted, 0))
     _write_rows(state.step_verified, rows, torch.where(active, verified, 0) if slots > 0 else torch.zeros_like(count))
+    _write_rows(state.step_on_leaf, rows, on_leaf & active if nodes else torch.zeros_like(active))
 
 
 def prefill(
@@ -422,3 +423,4 @@ def prefill(
     _write_rows(state.step_emitted, slot, count)
     _write_rows(state.step_accepted, slot, torch.zeros_like(count))
     _write_rows(state.step_verified, slot, torch.zeros_like(count))
+    _write_rows(state.step_on_leaf, slot, torch.zeros_like(finished))
