@@ -224,6 +224,14 @@ def test_fresh_code_prompts_come_last_and_repeat_no_earlier_prompt(tmp_path):
     assert two_rounds[:len(train)] == train
     second = two_rounds[len(train):]
     assert len(second) == 20 and not set(map(tuple, second)) & set(map(tuple, train))
+    # gpu_run's --text-scale 3: every prompt above as it was, then twice the fresh rounds' line-end draws.
+    from compiled_spec.training.gpu_run import scaled_config
+
+    scaled = domain_prompts(scaled_config(config, 3), tokenizer, tmp_path)["code"][0]
+    assert scaled[:len(two_rounds)] == two_rounds
+    extra = scaled[len(two_rounds):]
+    assert len(extra) == 2 * 2 * 10 and len(set(map(tuple, extra))) == 40
+    assert not set(map(tuple, extra)) & set(map(tuple, two_rounds))
 
 
 def test_chat_training_prompts_never_name_a_held_out_topic_and_keep_their_order():

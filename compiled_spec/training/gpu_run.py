@@ -23,13 +23,17 @@ from .train_mtp import load_config, train_mtp
 
 
 def scaled_config(config: dict, text_scale: int) -> dict:
-    """The config with text_scale times the prose prompts and text_scale times the fresh code-line prompts of each
-    fresh round (the def-line prompts stay: the training modules have 12,103 def lines, and the shipped config
-    draws 10,240 of them). Chat keeps its prompts: the shipped config has all 9,912 there are."""
+    """The config with text_scale times the prose prompts (the first of a larger count are the same) and, after all
+    the config's code prompts, text_scale - 1 times as many line-end prompts as its fresh rounds draw
+    (corpus.extra_code_prompts). The config's own prompts stay as they are. The def-line prompts are not scaled:
+    the training modules have 12,103 def lines and the shipped config draws 10,240 of them (scaling each fresh
+    round's line-end draws instead left its last round 3 def lines short, since a line-end draw can end on a def
+    line). Chat keeps its prompts: the shipped config has all 9,912 there are."""
     corpus = config["corpus"]
     if "prose" in corpus["prompts"]:
         corpus["prompts"] = {**corpus["prompts"], "prose": corpus["prompts"]["prose"] * text_scale}
-    corpus["fresh_code_prompts"] = corpus.get("fresh_code_prompts", 0) * text_scale
+    fresh = corpus.get("fresh_code_prompts", 0) * corpus.get("fresh_code_rounds", 1)
+    corpus["extra_code_prompts"] = corpus.get("extra_code_prompts", 0) + fresh * (text_scale - 1)
     return config
 
 

@@ -117,6 +117,12 @@ def domain_prompts(config: dict, tokenizer, work_dir: Path) -> dict[str, tuple[l
                                                   seed, distinct=True, avoid=earlier)
                     train_prompts += line_prompts(every, corpus.get("fresh_function_prompts", 0), length,
                                                   tokenizer, seed + 1, ends=DEF_LINE, distinct=True, avoid=earlier)
+            if domain == "code" and corpus.get("extra_code_prompts", 0):
+                # Line-end prompts after all of the above (gpu_run's --text-scale), none equal to one before, so
+                # the config's own prompts, and the windows cached for them, stay as they are.
+                seed = config["seed"] + 4 + 2 * corpus.get("fresh_code_rounds", 1)
+                train_prompts += line_prompts(every, corpus["extra_code_prompts"], length, tokenizer, seed,
+                                              distinct=True, avoid=list(train_prompts))
             out[domain] = (train_prompts, held_out_prompts)
         elif domain == "chat":
             def templated(questions):
