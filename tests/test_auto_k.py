@@ -14,9 +14,11 @@ import pytest
 import torch
 
 from compiled_spec import LLM, SamplingParams
+from compiled_spec.params import RequestOutput, SpecStats
 from compiled_spec.config import GraphMode
 from compiled_spec.runtime.draft_chooser import DraftLengthChooser, LaneOutcome
 from compiled_spec.runtime.graph_modes import StepRunner, graphs_made
+from compiled_spec.runtime.request import Request
 from compiled_spec.speculative.step import Drafts
 from faults import step_without_draft_counts
 from test_audit import audit_failure
@@ -310,6 +312,28 @@ def test_the_tree_competes_with_the_chain_of_its_depth():
     assert chooser.choose(2) == tree
 
 
+def test_a_tree_step_tests_each_chain_draft_as_the_chain_step_does(prompts):
+    """What the chooser counts on: from the same state, a tree step accepts what the chain step of its depth accepts,
+    one more where its path ended on a leaf; for sampled requests too (the chain's test, key and residual)."""
+    path, texts = prompts
+    llm = LLM(path, graph_mode="eager", draft_tree=(2, 2), **ENGINE)
+    engine, state = llm.engine, llm.engine.state
+    for index, text in enumerate(texts[:4]):
+        params = SamplingParams(max_tokens=40, ignore_eos=True, temperature=1.0, seed=index)
+        engine.admit(Request(index, text, params, index, RequestOutput(prompt_token_ids=text, stats=SpecStats(K))))
+    lanes = []
+    for _ in range(10):  # at most 3 tokens a step: no request finishes
+        saved = [tensor.clone() for tensor in state.tensors()]
+        engine.runner.step(4, Drafts(2))
+        chain = state.step_accepted[:4].tolist()
+        for tensor, copy in zip(state.tensors(), saved):
+            tensor.copy_(copy)
+        engine.runner.step(4, Drafts(2, tree=True))
+        lanes += zip(chain, state.step_accepted[:4].tolist(), state.step_on_leaf[:4].tolist())
+    assert [chain for chain, _, _ in lanes] == [tree - leaf for _, tree, leaf in lanes]
+    assert any(leaf for _, _, leaf in lanes) and any(chain < 2 and not leaf for chain, _, leaf in lanes)
+
+
 def test_auto_with_a_tree_is_calibrated_for_both_and_keeps_greedy_output(prompts, plain_tokens):
     path, texts = prompts
     llm = LLM(path, graph_mode="eager", draft_tree=(2, 2), **ENGINE)
@@ -329,3 +353,4 @@ def test_auto_with_a_tree_is_calibrated_for_both_and_keeps_greedy_output(prompts
     tree_steps = sum(record.tree for record in records)
     assert tree_steps and sum(record.num_drafts == 2 and not record.tree for record in records)
     assert sum(o.stats.tree_steps for o in outputs) == sum(record.tree * len(record.lanes) for record in records)
+    assert sum(o.stats.leaf_steps for o in outputs) == sum(sum(record.on_leaf) for record in records)

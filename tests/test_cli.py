@@ -97,7 +97,7 @@ def test_draft_tree_decodes_the_same_tokens_and_says_so(ids_model):
     assert tree["draft_tree"] == [2, 2] and tree["num_speculative_tokens"] == 2
     assert len(tree["stats"]["acceptance_rate_per_position"]) == 2
     stats = tree["stats"]
-    assert stats["tree_steps"] == stats["steps"] > 0 and 0 <= stats["leaf_steps"] <= stats["steps"]
+    assert stats["tree_steps"] == stats["steps"] > 0
     line = invoke("--prompt-ids", "2,3,4", "--model", ids_model, "--draft-tree", "2,2", *SMALL).stdout.splitlines()[-1]
     assert "| k=2 (tree 2,2), acceptance by draft position: " in line
     assert f"| {stats['steps']} steps verified the tree, {stats['leaf_steps']} ended on a leaf |" in line

@@ -227,8 +227,6 @@ def test_metrics_counters_agree_with_the_responses(server):
     assert delta(f"spec_decode_num_drafts_total{label}") == sum(s["num_drafts"] for s in spec) > 0
     assert delta(f"spec_decode_num_draft_tokens_total{label}") == sum(s["num_draft_tokens"] for s in spec)
     assert delta(f"spec_decode_num_accepted_tokens_total{label}") == sum(s["num_accepted_tokens"] for s in spec)
-    for name in ("tree_steps", "leaf_steps"):  # a chain server: every step verified the chain
-        assert delta(f"spec_decode_num_{name}_total{label}") == sum(s[f"num_{name}"] for s in spec) == 0
     for position in range(K):
         name = f'spec_decode_num_accepted_tokens_per_pos_total{{model_name="tiny",position="{position}"}}'
         assert delta(name) == sum(s["num_accepted_tokens_per_pos"][position] for s in spec)
@@ -238,6 +236,34 @@ def test_metrics_counters_agree_with_the_responses(server):
     assert after[f"compiled_spec:graph_divergence_total{label}"] == 0  # the canary's count (serve checks graphs)
     assert delta(f"e2e_request_latency_seconds_count{label}") == 4
     assert delta(f"inter_token_latency_seconds_count{label}") >= 4
+
+
+def test_a_tree_servers_step_counters_equal_the_responses_of_requests_batched_together(model_dir, tmp_path):
+    """--draft-tree 2,2, four requests at once (they share steps): steps by k, tree steps and steps that ended on a
+    leaf count per request, as each response's usage does."""
+    command = serve_command(model_dir, *SERVER_ARGS, "--draft-tree", "2,2", "--served-model-name", "tiny")
+    with running_server(command, tmp_path / "server.log") as live:
+        client = live.client()
+        before = live.metrics()
+
+        def usage(prompt):
+            return client.completions.create(model="tiny", prompt=prompt, max_tokens=24, temperature=0,
+                                             extra_body={"ignore_eos": True}).usage.model_dump()["spec_decode"]
+
+        with ThreadPoolExecutor(4) as pool:
+            spec = list(pool.map(usage, PROMPTS[:4]))
+        live.wait_idle()
+        after = live.metrics()
+    label = '{model_name="tiny"}'
+    names = {"num_tree_steps": f"compiled_spec:spec_decode_num_tree_steps_total{label}",
+             "num_leaf_steps": f"compiled_spec:spec_decode_num_leaf_steps_total{label}",
+             "num_drafts": f"compiled_spec:spec_decode_num_drafts_total{label}"}
+    for field, name in names.items():
+        assert after[name] - before.get(name, 0) == sum(s[field] for s in spec)
+    steps_at_2 = 'compiled_spec:spec_decode_num_steps_per_num_drafts_total{model_name="tiny",num_drafts="2"}'
+    assert after[steps_at_2] - before.get(steps_at_2, 0) == sum(s["num_steps_per_num_drafts"]["2"] for s in spec)
+    assert all(s["num_tree_steps"] == s["num_drafts"] for s in spec)
+    assert sum(s["num_leaf_steps"] for s in spec) > 0
 
 
 def test_a_full_queue_gets_429_and_sigterm_finishes_what_runs(model_dir, tmp_path):

@@ -35,10 +35,11 @@ class ServerMetrics:
                                         "Draft tokens accepted at each draft position (0 is the first).",
                                         ["position"])
         self.steps_per_num_drafts = counter("spec_decode_num_steps_per_num_drafts",
-                                            "Decode steps by the number of drafts they made (k; chosen per step "
-                                            "with -k auto).", ["num_drafts"])
-        self.tree_steps = counter("spec_decode_num_tree_steps", "Decode steps that verified the token tree "
-                                  "(--draft-tree; counted under its depth in num_steps_per_num_drafts too).")
+                                            "Verify steps, summed over requests, by the number of drafts they made "
+                                            "(k; chosen per step with -k auto).", ["num_drafts"])
+        self.tree_steps = counter("spec_decode_num_tree_steps", "Verify steps, summed over requests, that verified "
+                                  "the token tree (--draft-tree; counted under its depth in "
+                                  "num_steps_per_num_drafts too).")
         self.leaf_steps = counter("spec_decode_num_leaf_steps", "Verify steps, summed over requests, whose accepted "
                                   "path ended on a leaf of the token tree (the chain's draft was rejected there).")
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of ended requests.")
@@ -70,9 +71,10 @@ class ServerMetrics:
         step drafted with; tree: it verified the token tree; on_leaf: per lane, its path ended on a leaf."""
         if self.num_speculative_tokens == 0:
             return
-        self.steps_per_num_drafts.labels(self.model_name, str(num_drafts)).inc()
+        # Per lane, as each request's statistics count them, so the counters equal the sum of the responses' usage.
+        self.steps_per_num_drafts.labels(self.model_name, str(num_drafts)).inc(len(accepted_per_lane))
         if tree:
-            self.tree_steps.inc()
+            self.tree_steps.inc(len(accepted_per_lane))
             self.leaf_steps.inc(sum(on_leaf or []))
         self.num_drafts.inc(len(accepted_per_lane))
         self.num_draft_tokens.inc(sum(verified_per_lane))
