@@ -54,6 +54,9 @@ def main(argv: list[str] | None = None) -> dict:
                         help="largest output file [default: 16]")
     parser.add_argument("--resume", action="store_true", help="continue from WORK/checkpoint.pt")
     args = parser.parse_args(argv)
+    if args.text_scale < 1:
+        parser.error(f"--text-scale {args.text_scale} is out of range; allowed: 1 or more (1: the shipped "
+                     "config's text)")
 
     config = load_config(args.config, {"model": args.model})
     config = scaled_config(config, args.text_scale)
