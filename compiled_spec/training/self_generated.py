@@ -107,25 +107,39 @@ def shard_mismatch(record: dict, wanted: dict) -> str | None:
     return None
 
 
+KEYS = ("ids", "hidden", "greedy")
+
+
 def read_shard(path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
     with safe_open(str(path), framework="pt", device="cpu") as handle:
         record = json.loads(handle.metadata()["provenance"])
-        return record, {key: handle.get_tensor(key) for key in ("ids", "hidden", "greedy")}
+        return record, {key: handle.get_tensor(key) for key in KEYS}
 
 
-def self_generated_windows(base, prompts: list[list[int]], length: int, batch_size: int, shard_dir: Path,
-                           description: str, generation: dict, shard_windows: int) -> tuple[dict, list[dict]]:
+def shard_record(path: Path) -> dict:
+    """A shard's provenance record, read without its tensors; raises if the file is not a whole shard (safetensors
+    checks the header against the file's size) or its tensors do not hold the record's windows."""
+    with safe_open(str(path), framework="pt", device="cpu") as handle:
+        record = json.loads(handle.metadata()["provenance"])
+        shapes = {key: handle.get_slice(key).get_shape() for key in KEYS}
+    if any(shape[0] != record["windows"] for shape in shapes.values()):
+        raise ValueError(f"its tensors hold {shapes} rows, its record says {record['windows']} windows")
+    return record
+
+
+def self_generated_shards(base, prompts: list[list[int]], length: int, batch_size: int, shard_dir: Path,
+                          description: str, generation: dict, shard_windows: int) -> list[dict]:
     """continue_batch over every prompt, kept in shard_dir as shards of shard_windows windows (safetensors, at
     most 16 MiB each), each with its provenance record: generation (base_model_sha256, seed, dtype), the shard's
-    index, windows, length and prompts_sha256 (sha256 of its prompts' token ids). Returns ({ids, hidden, greedy}
-    over every prompt, the records).
+    index, windows, length and prompts_sha256 (sha256 of its prompts' token ids). Returns the shards' records;
+    load_shards reads them.
 
     Prompts go to the base model in batches of whole shards (batch_size rounded down to a multiple of
     shard_windows, at least one shard), always the same batches for the same prompts: a rerun, or a run stopped
     part way, generates only the shards that are missing and the data is bitwise what one uninterrupted run makes.
     A shard is written under a temporary name and renamed when whole. A shard made for other prompts (a corpus
     that grew: its last shard), another base model, batch size or dtype is regenerated, and the reason printed.
-    Longer windows are cut to `length`: each row depends only on the rows before it."""
+    No window is held in memory past its batch, so a corpus larger than memory can be generated."""
     longest = max((len(prompt) for prompt in prompts), default=0)
     if not 0 < longest < length:
         raise ValueError(f"{description}: prompts of up to {longest} tokens need windows longer than that; "
@@ -139,7 +153,7 @@ def self_generated_windows(base, prompts: list[list[int]], length: int, batch_si
     shards_per_batch = generation["generate_batch_size"] // shard_windows
     shard_dir.mkdir(parents=True, exist_ok=True)
     num_shards = -(-len(prompts) // shard_windows)
-    parts, records = [None] * num_shards, [None] * num_shards
+    records = [None] * num_shards
     with tqdm(total=len(prompts), desc=description, unit="prompt") as bar:
         for first_shard in range(0, num_shards, shards_per_batch):
             batch = range(first_shard, min(first_shard + shards_per_batch, num_shards))
@@ -152,7 +166,7 @@ def self_generated_windows(base, prompts: list[list[int]], length: int, batch_si
                 if not path.is_file():
                     continue
                 try:
-                    record, data = read_shard(path)
+                    record = shard_record(path)
                 except Exception as error:  # noqa: BLE001 - safetensors raises several types for a bad file
                     tqdm.write(f"{path}: unreadable ({error}); regenerating it")
                     continue
@@ -160,23 +174,48 @@ def self_generated_windows(base, prompts: list[list[int]], length: int, batch_si
                 if reason:
                     tqdm.write(f"{path}: made for other data ({reason}); regenerating it")
                     continue
-                parts[index] = {key: value[:, :length] for key, value in data.items()}
                 records[index] = record
-                bar.update(len(data["ids"]))
-            missing = [index for index in batch if parts[index] is None]
+                bar.update(record["windows"])
+            missing = [index for index in batch if records[index] is None]
             if not missing:
                 continue
             first, last = batch[0] * shard_windows, (batch[-1] + 1) * shard_windows
             made = continue_batch(base, prompts[first:last], length)
             for index in missing:
                 rows = slice(index * shard_windows - first, (index + 1) * shard_windows - first)
-                parts[index] = {key: value[rows].contiguous() for key, value in made.items()}
-                records[index] = wanted[index]
+                part = {key: value[rows].contiguous() for key, value in made.items()}
                 path = shard_dir / f"{index:05d}.safetensors"
                 temporary = path.with_suffix(".tmp")
-                save_file(parts[index], str(temporary), metadata={"provenance": json.dumps(wanted[index])})
+                save_file(part, str(temporary), metadata={"provenance": json.dumps(wanted[index])})
                 os.replace(temporary, path)
-                bar.update(len(parts[index]["ids"]))
-    if not parts:
-        return {}, []
-    return {key: torch.cat([part[key] for part in parts]) for key in ("ids", "hidden", "greedy")}, records
+                records[index] = wanted[index]
+                bar.update(wanted[index]["windows"])
+    return records
+
+
+def load_shards(shard_dirs: list[Path], records: list[list[dict]], length: int) -> dict[str, torch.Tensor]:
+    """The windows of every shard that records name, directory by directory, cut to `length` tokens (each row
+    depends only on the rows before it), read into one tensor per key allocated once: the corpus is in memory
+    once, never twice."""
+    shards = [(directory / f"{record['shard']:05d}.safetensors", record)
+              for directory, dir_records in zip(shard_dirs, records) for record in dir_records]
+    if not shards:
+        return {}
+    total = sum(record["windows"] for _, record in shards)
+    _, first = read_shard(shards[0][0])
+    data = {key: torch.empty((total, length, *value.shape[2:]), dtype=value.dtype) for key, value in first.items()}
+    row = 0
+    for path, record in shards:
+        _, part = read_shard(path)
+        for key, value in part.items():
+            data[key][row: row + record["windows"]] = value[:, :length]
+        row += record["windows"]
+    return data
+
+
+def self_generated_windows(base, prompts: list[list[int]], length: int, batch_size: int, shard_dir: Path,
+                           description: str, generation: dict, shard_windows: int) -> tuple[dict, list[dict]]:
+    """self_generated_shards, then its windows: ({ids, hidden, greedy} over every prompt, the records)."""
+    records = self_generated_shards(base, prompts, length, batch_size, shard_dir, description, generation,
+                                    shard_windows)
+    return load_shards([shard_dir], [records], length), records

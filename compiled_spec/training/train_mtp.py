@@ -32,7 +32,8 @@ from ..tokenizer import load_tokenizer
 from . import loop
 from .mtp_corpus import DEF_LINE, DOMAINS, chat_prompts, code_texts, line_prompts, prose_texts
 from .mtp_reference import DECODER_CLASSES, export_mtp_state_dict, mtp_chain, mtp_layers
-from .self_generated import checkpoint_digest, generation_batch, records_digest, self_generated_windows
+from .self_generated import (checkpoint_digest, generation_batch, load_shards, records_digest,
+                             self_generated_shards)
 
 DEFAULT_CONFIG = Path(__file__).parent / "train_mtp_config.json"
 IGNORE = -100
@@ -299,33 +300,39 @@ def save_weights(state: dict[str, torch.Tensor], directory: Path, metadata: dict
     return paths
 
 
-def self_generated_data(config: dict, base, tokenizer, base_path: Path, work_dir: Path) -> tuple[list, dict, dict]:
-    """Every domain's windows (train parts in domain order, held out by domain), from shards in
-    work_dir/shards/<domain>_<split> made as corpus.generate_dtype says, and the data's provenance record for the
-    training log."""
+def self_generated_data(config: dict, base, tokenizer, base_path: Path, work_dir: Path) -> tuple[dict, dict, dict, dict]:
+    """The training windows of every domain in one set (domain order), the held-out windows by domain, the training
+    tokens by domain, and the data's provenance record for the training log; from shards in
+    work_dir/shards/<domain>_<split> made as corpus.generate_dtype says. Every shard is made first and the training
+    windows read afterwards into tensors allocated once, so the corpus is in memory once."""
     corpus, length = config["corpus"], config["training"]["sequence_length"]
     shard_windows = corpus.get("shard_windows", 32)
     dtype = dtype_named(config, "corpus", "generate_dtype")
     generating = base if dtype == torch.float32 else copy.deepcopy(base).to(dtype)
     generation = {"base_model_sha256": checkpoint_digest(base_path), "seed": config["seed"],
                   "dtype": str(dtype).removeprefix("torch.")}
-    train_parts, held_out, sets = [], {}, {}
+    train_dirs, train_records, train_tokens, held_out, sets = [], [], {}, {}, {}
     for domain, (train_prompts, held_out_prompts) in domain_prompts(config, tokenizer, work_dir).items():
         for split, prompts in (("train", train_prompts), ("held_out", held_out_prompts)):
-            data, records = self_generated_windows(
-                generating, prompts, length, corpus["generate_batch_size"], work_dir / "shards" / f"{domain}_{split}",
+            shard_dir = work_dir / "shards" / f"{domain}_{split}"
+            records = self_generated_shards(
+                generating, prompts, length, corpus["generate_batch_size"], shard_dir,
                 f"base model continues {domain} prompts ({split.replace('_', ' ')})", generation, shard_windows)
             if split == "train":
-                train_parts.append(data)
+                train_dirs.append(shard_dir)
+                train_records.append(records)
+                train_tokens[domain] = sum(r["windows"] for r in records) * length
             else:
-                held_out[domain] = data
+                held_out[domain] = load_shards([shard_dir], [records], length)
             sets[f"{domain}_{split}"] = {
                 "shards": len(records), "windows": sum(r["windows"] for r in records),
                 "seeds": sorted({r["seed"] for r in records}), "records_sha256": records_digest(records)}
+    del generating
+    train = load_shards(train_dirs, train_records, length)
     provenance = {"base_model": {"path": str(base_path), "sha256": generation["base_model_sha256"]},
                   "dtype": generation["dtype"], "sequence_length": length, "shard_windows": shard_windows,
                   "generate_batch_size": generation_batch(corpus["generate_batch_size"], shard_windows), "sets": sets}
-    return train_parts, held_out, provenance
+    return train, held_out, train_tokens, provenance
 
 
 def train_mtp(config: dict, resume: bool = False, measure_steps: int | None = None) -> dict:
@@ -339,10 +346,7 @@ def train_mtp(config: dict, resume: bool = False, measure_steps: int | None = No
     base, base_config = load_base(base_path)
     base.to(config.get("device", "cpu"))
     tokenizer = load_tokenizer(base_path)
-    train_parts, held_out, provenance = self_generated_data(config, base, tokenizer, base_path, work_dir)
-    train = {key: torch.cat([part[key] for part in train_parts]) for key in ("ids", "hidden", "greedy")}
-    train_tokens = {d: int(p["ids"].numel()) for d, p in zip(config["corpus"]["domains"], train_parts)}
-    del train_parts  # the concatenation is a copy; keeping the parts would hold the teacher cache twice
+    train, held_out, train_tokens, provenance = self_generated_data(config, base, tokenizer, base_path, work_dir)
     ranking = rank_vocabulary(train["greedy"], base_config.vocab_size)
     torch.manual_seed(config["seed"])  # module init does not depend on how the teacher cache was made
     task_state = MtpTraining(base, base_config, config, train, held_out, ranking)
