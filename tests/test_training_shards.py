@@ -115,26 +115,26 @@ import json, resource, sys, types
 from pathlib import Path
 import torch
 from safetensors.torch import save_file
-from compiled_spec.training.self_generated import self_generated_windows
+from compiled_spec.training.self_generated import prompts_digest, self_generated_windows
 
 shards, windows, length, hidden = Path(sys.argv[1]), 32, 128, 576
 prompts = [[1 + i, 2, 3] for i in range(40 * windows)]
 generation = {"base_model_sha256": "b", "seed": 0, "dtype": "float32"}
-from compiled_spec.training.self_generated import prompts_digest
 shards.mkdir()
 for index in range(40):
     record = {**generation, "generate_batch_size": 256, "shard": index, "windows": windows, "length": length,
               "prompts_sha256": prompts_digest(prompts[index * windows: (index + 1) * windows])}
-    part = {"ids": torch.zeros(windows, length, dtype=torch.long), "greedy": torch.zeros(windows, length, dtype=torch.long),
-            "hidden": torch.full((windows, length, hidden), float(index))}
+    ids = torch.zeros(windows, length, dtype=torch.long)
+    part = {"ids": ids, "greedy": ids.clone(), "hidden": torch.full((windows, length, hidden), float(index))}
     save_file(part, str(shards / f"{index:05d}.safetensors"), metadata={"provenance": json.dumps(record)})
-del part
+del ids, part
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 base = types.SimpleNamespace(config=types.SimpleNamespace(hidden_size=hidden))
 data, records = self_generated_windows(base, prompts, length, 256, shards, "probe", generation, windows)
 after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 assert data["hidden"][::windows, 0, 0].tolist() == [float(i) for i in range(40)]
-print(json.dumps({"grew_kib": after - before, "data_kib": sum(v.numel() * v.element_size() for v in data.values()) // 1024}))
+data_kib = sum(value.numel() * value.element_size() for value in data.values()) // 1024
+print(json.dumps({"grew_kib": after - before, "data_kib": data_kib}))
 """
 
 
