@@ -202,11 +202,12 @@ def load_shards(shard_dirs: list[Path], records: list[list[dict]], length: int) 
     if not shards:
         return {}
     total = sum(record["windows"] for _, record in shards)
-    _, first = read_shard(shards[0][0])
-    data = {key: torch.empty((total, length, *value.shape[2:]), dtype=value.dtype) for key, value in first.items()}
-    row = 0
+    data, row = None, 0
     for path, record in shards:
         _, part = read_shard(path)
+        if data is None:
+            data = {key: torch.empty((total, length, *value.shape[2:]), dtype=value.dtype)
+                    for key, value in part.items()}
         for key, value in part.items():
             data[key][row: row + record["windows"]] = value[:, :length]
         row += record["windows"]
