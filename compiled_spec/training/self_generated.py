@@ -110,10 +110,9 @@ def shard_mismatch(record: dict, wanted: dict) -> str | None:
 KEYS = ("ids", "hidden", "greedy")
 
 
-def read_shard(path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
+def shard_tensors(path: Path) -> dict[str, torch.Tensor]:
     with safe_open(str(path), framework="pt", device="cpu") as handle:
-        record = json.loads(handle.metadata()["provenance"])
-        return record, {key: handle.get_tensor(key) for key in KEYS}
+        return {key: handle.get_tensor(key) for key in KEYS}
 
 
 def shard_record(path: Path) -> dict:
@@ -204,7 +203,7 @@ def load_shards(shard_dirs: list[Path], records: list[list[dict]], length: int) 
     total = sum(record["windows"] for _, record in shards)
     data, row = None, 0
     for path, record in shards:
-        _, part = read_shard(path)
+        part = shard_tensors(path)
         if data is None:
             data = {key: torch.empty((total, length, *value.shape[2:]), dtype=value.dtype)
                     for key, value in part.items()}

@@ -318,14 +318,15 @@ def self_generated_data(config: dict, base, tokenizer, base_path: Path, work_dir
             records = self_generated_shards(
                 generating, prompts, length, corpus["generate_batch_size"], shard_dir,
                 f"base model continues {domain} prompts ({split.replace('_', ' ')})", generation, shard_windows)
+            windows = sum(r["windows"] for r in records)
             if split == "train":
                 train_dirs.append(shard_dir)
                 train_records.append(records)
-                train_tokens[domain] = sum(r["windows"] for r in records) * length
+                train_tokens[domain] = windows * length
             else:
                 held_out[domain] = load_shards([shard_dir], [records], length)
             sets[f"{domain}_{split}"] = {
-                "shards": len(records), "windows": sum(r["windows"] for r in records),
+                "shards": len(records), "windows": windows,
                 "seeds": sorted({r["seed"] for r in records}), "records_sha256": records_digest(records)}
     del generating
     train = load_shards(train_dirs, train_records, length)
