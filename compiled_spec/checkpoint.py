@@ -315,7 +315,7 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str
         for name, tensor in expected.items()
     }
     if packed and torch.device(device).type == "cpu":
-        decode_attention.load()  # the kernel multiplies packed weights in eager passes too
+        decode_attention.load_if_built()  # the kernel multiplies packed weights in eager passes too, once built
     if torch.device(device).type == "cpu":
         loaded = on_huge_pages(loaded)
     model.load_state_dict(loaded, assign=True, strict=True)

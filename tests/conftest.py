@@ -20,6 +20,18 @@ os.environ["COMPILED_SPEC_GRAPH_MODE"] = "eager"
 # full compiles in this process unless a test asks for compile processes (test_tiered_start, test_graph_modes).
 os.environ["COMPILED_SPEC_COMPILE_WORKERS"] = "1"
 
+
+
+@pytest.fixture(scope="session", autouse=True)
+def cpu_kernels_built():
+    """Eager passes use the C++ kernels only where they are already built (a fresh machine decodes with the ATen
+    fallbacks until a compile builds them). Built first, every test's eager reference uses them whichever test ran
+    before it; test_first_text starts fresh machines of its own."""
+    from compiled_spec.model import decode_attention
+
+    decode_attention.load()
+
+
 LLAMA3_ROPE = {
     "rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
     "high_freq_factor": 4.0, "original_max_position_embeddings": 16,

@@ -37,7 +37,8 @@ def loaded() -> bool:
 
 
 def status() -> str:
-    """What a run records of the kernels: "built", "not built: <why>", or "not needed" (load() never ran: eager, CUDA)."""
+    """What a run records of the kernels: "built", "not built: <why>", or "not needed" (not loaded: eager, CUDA, or
+    not built yet on this machine)."""
     if _loaded:
         return "built"
     return "not needed" if _failure is None else f"not built: {_failure}"
@@ -59,36 +60,81 @@ def build_flags(isa) -> list[str]:
     return ["-O3", "-DNDEBUG", "-fopenmp", *arch, *(f"-D{m}" for m in isa.build_macro())]
 
 
-def _failure_marker(name: str, flags: list[str]) -> Path:
-    """Where a failed build of these sources with these flags is remembered, so later processes do not retry it
-    (a compile error costs seconds of both cores each time). New sources, flags or torch: another marker."""
+def library_name() -> str:
+    """The build's name: this CPU's vector capability, and a digest of torch's version and the sources, so that a
+    library on disk under this name is this build and loads without asking inductor for the ISA or ninja whether it
+    is current (each takes seconds)."""
+    digest = hashlib.sha256("\0".join([torch.__version__, *(s.read_text() for s in SOURCES)]).encode())
+    return f"compiled_spec_cpu_kernels_{_isa_name(torch.backends.cpu.get_cpu_capability()).lower()}_{digest.hexdigest()[:12]}"
+
+
+def _build_directory(name: str) -> Path:
     from torch.utils import cpp_extension
 
-    digest = hashlib.sha256("\0".join([torch.__version__, *flags, *(s.read_text() for s in SOURCES)]).encode())
-    return Path(cpp_extension._get_build_directory(name, False)) / f"failed-{digest.hexdigest()[:16]}.txt"
+    return Path(cpp_extension._get_build_directory(name, False))
+
+
+def _failure_marker(name: str) -> Path:
+    """Where a failed build of this name (these sources, this torch, this CPU) is remembered, so later processes do
+    not retry it (a compile error costs seconds of both cores each time)."""
+    return _build_directory(name) / "failed.txt"
+
+
+def _built_library(name: str) -> Path | None:
+    """The built library, where a whole one is on disk (cpp_extension holds its lock file while it builds)."""
+    folder = _build_directory(name)
+    library = folder / f"{name}.so"
+    return library if library.exists() and not (folder / "lock").exists() else None
+
+
+def load_if_built() -> bool:
+    """Registers the kernels where they are already built on this machine (milliseconds); never builds them. Eager
+    passes call this: they decode with the ATen fallbacks until a compile (the background compile of a tiered start,
+    say) has built the kernels, and later processes load them."""
+    global _loaded
+    if not _loaded and (library := _built_library(library_name())) is not None:
+        torch.ops.load_library(str(library))
+        _loaded = True
+    return _loaded
+
+
+def expected() -> bool:
+    """Whether load() will register the kernels here, answered without building them: they are built, or no build
+    of these sources has failed on this machine and a compiler and ninja are there. Compiled packages are named by
+    it, so a process can find its packages before the kernels are built (runtime/packaged.py)."""
+    from torch.utils import cpp_extension
+
+    if _loaded or _failure is not None:
+        return _loaded
+    name = library_name()
+    if _built_library(name) is not None:
+        return True
+    return (not _failure_marker(name).exists() and cpp_extension.is_ninja_available()
+            and shutil.which(os.environ.get("CXX", "c++")) is not None)
 
 
 @functools.cache
 def load() -> bool:
-    """Builds the kernels for this CPU's vector ISA (the first time on a machine, in about 10-16 s on 2 cores;
+    """Builds the kernels for this CPU's vector ISA (the first time on a machine, in about 10-20 s on 2 cores;
     later processes load the built library) and registers them. Where they cannot be built, warns once and returns
     False: compiled CPU passes then attend with grouped_attention and SDPA, and float16 draft weights are widened
-    to the activations' dtype in the graph. Package names say which (runtime/packaged.py calls this before it
-    names one), so every process on a machine names the same packages."""
+    to the activations' dtype in the graph."""
     global _loaded, _failure
+    if load_if_built():
+        return True
     from torch._inductor import cpu_vec_isa
     from torch.utils import cpp_extension
 
-    isa = cpu_vec_isa.pick_vec_isa()
-    name, flags = f"compiled_spec_cpu_kernels_{_isa_name(isa)}", build_flags(isa)
+    name = library_name()
     start = time.perf_counter()
     try:
-        marker = _failure_marker(name, flags)
+        marker = _failure_marker(name)
         if marker.exists():
             raise RuntimeError(f"{marker.read_text().strip()} (an earlier build; remove {marker} to try again)")
         try:
-            cpp_extension.load(name=name, sources=[str(source) for source in SOURCES], extra_cflags=flags,
-                               extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
+            cpp_extension.load(name=name, sources=[str(source) for source in SOURCES],
+                               extra_cflags=build_flags(cpu_vec_isa.pick_vec_isa()), extra_ldflags=["-fopenmp"],
+                               is_python_module=False, verbose=False)
         except Exception as error:
             if cpp_extension.is_ninja_available() and shutil.which(os.environ.get("CXX", "c++")):
                 marker.write_text(_first_error(str(error)))  # a compile error, not a missing tool: remember it

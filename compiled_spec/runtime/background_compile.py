@@ -57,7 +57,10 @@ class BackgroundCompile:
 
     def __init__(self, llm_arguments: dict, graphs: list[Graph], paths: list[Path], show_progress: bool,
                  workers: int = 1, niceness: int = 10,
-                 description: str = "compiling full graphs in the background (decoding in eager meanwhile)"):
+                 description: str = "compiling full graphs in the background (decoding in eager meanwhile)",
+                 beside_text: bool = False):
+        """beside_text: text streams on stdout meanwhile; where stdout and stderr are one file (a terminal, `2>&1`),
+        progress is one line now instead of a bar redrawn inside the text."""
         self.graphs, self.paths = graphs, paths
         self.failed_file = failed_file(paths)
         folder = paths[0].parent
@@ -79,7 +82,10 @@ class BackgroundCompile:
             self.pid_file.write_text(str(self.pid))  # now, not once the child has imported torch: a process
             self.process.stdin.write(pickle.dumps(job))  # starting meanwhile follows this child
             self.process.stdin.close()
-        self.bar = tqdm(total=len(paths), initial=self.ready_count(), unit="graph", disable=not show_progress,
+        self.live_bar = show_progress and not (beside_text and stdout_is_stderr())
+        if show_progress and not self.live_bar:
+            print(f"compiled-spec: {description}; log {self.log}", file=sys.stderr, flush=True)
+        self.bar = tqdm(total=len(paths), initial=self.ready_count(), unit="graph", disable=not self.live_bar,
                         desc=description)
         if show_progress:
             atexit.register(self._say_still_running)
@@ -139,6 +145,15 @@ class BackgroundCompile:
             self.process.wait()
         self.bar.close()
         atexit.unregister(self._say_still_running)
+
+
+def stdout_is_stderr() -> bool:
+    """Whether stdout and stderr are one file (a terminal, or a redirect such as `2>&1`)."""
+    try:
+        out, err = os.fstat(sys.stdout.fileno()), os.fstat(sys.stderr.fileno())
+    except (AttributeError, OSError, ValueError):  # io.UnsupportedOperation is an OSError and a ValueError
+        return False
+    return (out.st_dev, out.st_ino) == (err.st_dev, err.st_ino)
 
 
 def failed_file(paths: list[Path]) -> Path:

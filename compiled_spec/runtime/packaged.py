@@ -153,13 +153,15 @@ class AheadOfTimeCompiled:
         """Where the package for a call with these arguments is (or will be) kept."""
         bucket = self.bucket(args)
         options = self.options
-        if state.seq_lens.device.type == "cpu":  # compiled attention calls the kernels where they build: build them
-            options = {**options, "decode_attention": decode_attention.load()}  # before naming (parent and child agree)
+        if state.seq_lens.device.type == "cpu":  # compiled attention calls the kernels where they build
+            options = {**options, "decode_attention": decode_attention.expected()}  # named before they are built
         key = package_key(self.function, self.manager.uuid(), options, self.model_key, state, args, bucket)
         shape = "-".join(str(size) for size in torch.utils._pytree.tree_leaves(bucket))
         return self.folder / f"{self.function.__name__}-{shape}-{key[:24]}.pt2"
 
     def _package(self, model, state, constants, args):
+        if state.seq_lens.device.type == "cpu":
+            decode_attention.load()  # what the name expects; a failed build renames the package (expected() is False)
         path = self.package_path(state, args)
         if path.exists():
             self.loaded.append(path.name)

@@ -163,8 +163,9 @@ class GraphStartup:
         self.engine.runner = self._eager_runner()
         missing = sum(not path.exists() for path in paths)
         self.background = BackgroundCompile(self.options.llm_arguments, graphs, paths, show_progress,
-                                            workers=compile_worker_count(self.options.compile_workers, missing))
-        self._show_progress = show_progress
+                                            workers=compile_worker_count(self.options.compile_workers, missing),
+                                            beside_text=True)
+        self._show_progress = self.background.live_bar  # a line written mid-stream would land inside the text
         # Decode on one thread meanwhile: a kernel's threads wait at a barrier for the one the compile displaced
         # (docs/graph-modes.md). The packages use the count they had.
         self._threads = torch.get_num_threads()
