@@ -406,13 +406,15 @@ def serve(model, mtp, draft_vocab_size, draft_dtype, dequantize, quantize, num_s
     from compiled_spec.errors import CompiledSpecError
     from compiled_spec.runtime.canary import SERVE_BUDGET, SERVE_VERIFY_GRAPHS_EVERY
     from compiled_spec.registry import MODELS
-    from compiled_spec.server import ServerOptions, serve as run_server
+    from compiled_spec.server import ServerOptions, api_key_problem, serve as run_server
 
     if api_key is None and os.environ.get("COMPILED_SPEC_API_KEY") == "":
         api_key = ""  # click reads an empty variable as unset; an empty key must not open the server silently
     if api_key is not None and not api_key.strip():
         raise InputError("--api-key (or $COMPILED_SPEC_API_KEY) is empty; give a non-empty key, or leave it out "
                          "to serve without one")
+    if api_key is not None and (problem := api_key_problem(api_key)):
+        raise InputError(f"--api-key (or $COMPILED_SPEC_API_KEY) {problem}")
     if api_key is None and host not in ("127.0.0.1", "localhost", "::1"):
         click.echo(f"warning: serving on {host} without --api-key: anyone who can reach this address can use the "
                    "server", err=True)

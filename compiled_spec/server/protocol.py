@@ -16,6 +16,27 @@ from ..errors import CompiledSpecError
 from ..params import RequestOutput, SamplingParams, SpecStats
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+PROMPT_CHARACTERS_PER_TOKEN = 32  # a prompt longer than this many characters per token of the context is refused
+# before it is tokenized: no tokenizer packs 32 characters into each token of a whole prompt
+SHOWN_VALUE_CHARACTERS = 100  # an echoed value is cut to this many characters
+MESSAGE_CHARACTERS = 1000  # an error message is cut to this many (its head and tail kept)
+
+
+def shown(value: Any) -> str:
+    """repr(value) as an error message echoes it: cut to SHOWN_VALUE_CHARACTERS characters, marked with '…'."""
+    try:
+        text = repr(value)
+    except ValueError:  # an int past Python's int-string limit
+        text = f"<{type(value).__name__}>"
+    return text if len(text) <= SHOWN_VALUE_CHARACTERS else text[:SHOWN_VALUE_CHARACTERS] + "…"
+
+
+def clip_message(message: str) -> str:
+    """A message that echoes a long value from a lower layer, cut in the middle to MESSAGE_CHARACTERS characters."""
+    if len(message) <= MESSAGE_CHARACTERS:
+        return message
+    half = MESSAGE_CHARACTERS // 2
+    return f"{message[:half]}…[{len(message) - 2 * half} characters left out]…{message[-half:]}"
 
 
 class APIError(Exception):
@@ -23,6 +44,9 @@ class APIError(Exception):
 
     def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
                  type: str = "invalid_request_error", headers: dict[str, str] | None = None):
+        message = clip_message(message)
+        if param is not None and len(param) > SHOWN_VALUE_CHARACTERS:
+            param = param[:SHOWN_VALUE_CHARACTERS] + "…"
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.type = status, message, param, code, type
         self.headers = headers or {}
@@ -31,15 +55,20 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
+# strict: a value of the wrong JSON type ("5" for an integer, true for an integer, "yes" for a boolean) is a 400,
+# never coerced; a float field still takes an integer (clients send 1 for 1.0).
+STRICT = ConfigDict(extra="forbid", strict=True)
+
+
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
     include_usage: bool = False
 
 
 class _Common(BaseModel):
     """Fields both endpoints share. vLLM's extensions top_k and ignore_eos are accepted too."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
     model: str
     max_tokens: int | None = None
     temperature: float | None = None
@@ -68,7 +97,7 @@ class _Common(BaseModel):
 
     def sampling_params(self, default_max_tokens: int) -> SamplingParams:
         for name, value in self.unsupported().items():
-            raise APIError(400, f"{name}={value!r} is not supported by this server", param=name,
+            raise APIError(400, f"{name}={shown(value)} is not supported by this server", param=name,
                            code="unsupported_parameter")
         if self.stream_options is not None and not self.stream:
             raise APIError(400, "stream_options is only allowed with stream=true", param="stream_options")
@@ -102,16 +131,45 @@ class CompletionRequest(_Common):
                           ("best_of", self.best_of not in (None, 1)), ("suffix", self.suffix is not None)):
             if bad:
                 asked[name] = getattr(self, name)
-        if isinstance(self.prompt, list) and any(isinstance(p, str) for p in self.prompt):
-            asked["prompt"] = "a list of strings (send one prompt per request)"
+        if isinstance(self.prompt, list) and len(self.prompt) > 1 and all(isinstance(p, str) for p in self.prompt):
+            asked["prompt"] = f"a list of {len(self.prompt)} strings (send one prompt per request)"
         return asked
+
+    @property
+    def prompt_text(self) -> str | None:
+        """The prompt's text (a string, or a list of one string), or None for token ids."""
+        if isinstance(self.prompt, str):
+            return self.prompt
+        if len(self.prompt) == 1 and isinstance(self.prompt[0], str):
+            return self.prompt[0]
+        return None
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
     role: str
-    content: str
+    content: str | list[dict[str, Any]]  # text, or OpenAI's content parts ({"type": "text", "text": ...} only)
     name: str | None = None
+
+    def text(self, number: int) -> str:
+        """The content as one string: text parts joined with newlines (as vLLM joins them)."""
+        if isinstance(self.content, str):
+            return self.content
+        texts = []
+        for index, part in enumerate(self.content):
+            where = f"messages.{number}.content.{index}"
+            if part.get("type") != "text":
+                raise APIError(400, f"{where}.type: only text parts are supported (got type "
+                                    f"{shown(part.get('type'))})", param=f"{where}.type", code="unsupported_parameter")
+            for key in part:
+                if key not in ("type", "text"):
+                    raise APIError(400, f"unknown parameter {shown(f'{where}.{key}')} in a text part",
+                                   param=f"{where}.{key}", code="unsupported_parameter")
+            if not isinstance(part.get("text"), str):
+                raise APIError(400, f"{where}.text: a text part needs a string 'text' (got {shown(part.get('text'))})",
+                               param=f"{where}.text")
+            texts.append(part["text"])
+        return "\n".join(texts)
 
 
 class ChatCompletionRequest(_Common):
@@ -125,9 +183,11 @@ class ChatCompletionRequest(_Common):
 
     def unsupported(self) -> dict[str, Any]:
         asked = super().unsupported()
-        for name in ("logprobs", "top_logprobs", "tools", "tool_choice", "response_format"):
+        no_ops = {"logprobs": (None, False), "top_logprobs": (None,), "tools": (None, []), "tool_choice": (None, "none"),
+                  "response_format": (None, {"type": "text"})}
+        for name, accepted in no_ops.items():
             value = getattr(self, name)
-            if value not in (None, False, "none"):
+            if not any(value == ok and type(value) is type(ok) for ok in accepted):
                 asked[name] = value
         return asked
 
@@ -139,7 +199,13 @@ class ChatCompletionRequest(_Common):
         return super().sampling_params(default_max_tokens)
 
     def conversation(self) -> list[dict]:
-        return [message.model_dump(exclude_none=True) for message in self.messages]
+        """The messages for the chat template, each one's content as one string."""
+        conversation = []
+        for number, message in enumerate(self.messages):
+            turn = message.model_dump(exclude_none=True)
+            turn["content"] = message.text(number)
+            conversation.append(turn)
+        return conversation
 
 
 def parse(model_class: type[BaseModel], body: Any) -> BaseModel:
@@ -152,12 +218,13 @@ def parse(model_class: type[BaseModel], body: Any) -> BaseModel:
         first = error.errors()[0]
         location = [str(part) for part in first["loc"] if not str(part).startswith(("function-", "json-or-python"))]
         # A union reports each member it tried; the field is what comes before the member's name.
-        param = ".".join(part for part in location if part not in ("str", "int", "list[int]", "list[str]", "float"))
+        param = ".".join(part for part in location if part not in ("str", "int", "float", "bool") and "[" not in part)
         if first["type"] == "extra_forbidden":
-            raise APIError(400, f"unknown parameter {param!r}", param=param, code="unsupported_parameter") from None
+            raise APIError(400, f"unknown parameter {shown(param)}", param=param,
+                           code="unsupported_parameter") from None
         if first["type"] == "missing":
             raise APIError(400, f"{param} is required", param=param) from None
-        raise APIError(400, f"{param}: {first['msg']} (got {first.get('input')!r})", param=param) from None
+        raise APIError(400, f"{param}: {first['msg']} (got {shown(first.get('input'))})", param=param) from None
 
 
 def new_id(prefix: str) -> str:
