@@ -3,7 +3,7 @@
 import importlib
 
 # The public names load on first use (PEP 562): a process that needs one submodule does not import torch through
-# this file. The compile child (compile_worker.py) starts its worker processes before importing torch.
+# this file. The compile child (engine/compile_worker.py) starts its worker processes before importing torch.
 _HOMES = {
     "LLM": ".api", "GraphMode": ".config", "CompiledSpecError": ".errors", "HiSparseConfig": ".hisparse",
     "RequestOutput": ".params", "SamplingParams": ".params", "SpecStats": ".params", "fetch_model": ".registry",

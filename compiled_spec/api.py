@@ -8,21 +8,20 @@ from pathlib import Path
 import torch
 
 from .chat import chat_prompt
-from .checkpoint import checkpoint_dtype, load_model
+from .loading.checkpoint import checkpoint_dtype
 from .config import DEFAULT_MAX_SPECULATIVE_TOKENS, EngineConfig, GraphMode, draft_dtype_name, dtype_name
 from .errors import CompiledSpecError
 from .hisparse.config import HiSparseConfig
-from .hisparse.indexer import attach_indexers
 from .model.packed_linear import weight_format
 from .model.rope import rotary_tables
 from .params import RequestOutput, SamplingParams, SpecStats
-from .registry import (default_draft_dtype, default_draft_vocab_size, default_num_speculative_tokens, resolve_model,
+from .loading.registry import (default_draft_dtype, default_draft_vocab_size, default_num_speculative_tokens, resolve_model,
                        shipped_mtp_modules)
-from .runtime.background_compile import compile_worker_count
-from .runtime.engine import Engine, Request, StartOptions, TokenCallback
+from .compiler.background_compile import compile_worker_count
+from .engine.engine import Engine, Request, StartOptions, TokenCallback
+from .engine.engine_spec import EngineSpec
 from .speculative.state import DecodeState
 from .speculative.step import StepConstants, make_layout
-from .tokenizer import eos_token_ids, load_tokenizer
 
 DEFAULT_MODEL = Path(__file__).parent / "default_model"
 
@@ -71,7 +70,7 @@ class LLM:
         default, off when it is given.
         compile_workers (full on CPU): processes that compile missing packages at once, one graph each at a time;
         default: $COMPILED_SPEC_COMPILE_WORKERS, else one per CPU core (one graph's compile uses one core).
-        verify_graphs_every: the graph canary (runtime/canary.py): every N-th step also runs in eager on a copy of the
+        verify_graphs_every: the graph canary (engine/canary.py): every N-th step also runs in eager on a copy of the
         decode state; a compiled step that wrote anything else is replaced by eager's result, and the engine falls
         back to a safer graph mode (full, piecewise -> compile -> eager). 0, the default: off.
         dequantize: a GGUF's quantized matrices are widened to dtype at load, instead of kept packed and multiplied
@@ -105,35 +104,23 @@ class LLM:
             draft_vocab_size = default_draft_vocab_size(self.path, self.mtp_path)
         if draft_dtype is None:
             draft_dtype = default_draft_dtype(self.path, self.mtp_path, device)
-        draft_dtype = draft_dtype_name(draft_dtype, self.config.dtype)
-        self.model = load_model(self.path, self.config.torch_dtype(), device, mtp=mtp,
-                                draft_vocab_size=draft_vocab_size, draft_dtype=getattr(torch, draft_dtype),
-                                dequantize=dequantize, quantize=quantize)
+        self.spec = EngineSpec(self.path, self.mtp_path, draft_vocab_size, draft_dtype_name(draft_dtype, self.config.dtype),
+                               dequantize, quantize, self.config)
+        self.model = self.spec.load_model()
         self.model_config = self.model.config
         if num_speculative_tokens is None and draft_tree is None:  # with a tree, validate makes k its depth
             self.config.num_speculative_tokens = default_num_speculative_tokens(
                 self.path, self.mtp_path, self.model_config.num_mtp_modules)
         self.config.validate(self.model_config)
-        if hisparse is not None:
-            attach_indexers(self.model, self.path, hisparse.scorer)
-        self.tokenizer = load_tokenizer(self.path)
-        self.eos_ids = eos_token_ids(self.path, self.model_config.eos_token_ids, self.tokenizer)
+        self.tokenizer, self.eos_ids = self.spec.load_tokenizer(self.model)
         if background_compile is None:
             background_compile = graph_mode is None and self.config.graph_mode == GraphMode.FULL and device == "cpu"
         if background_compile and (self.config.graph_mode != GraphMode.FULL or device != "cpu"):
             raise CompiledSpecError(f"background_compile=True needs graph_mode='full' on CPU, not "
                                     f"{self.config.graph_mode.value!r} on {device!r}")
         compile_worker_count(compile_workers, 1)  # a bad count or $COMPILED_SPEC_COMPILE_WORKERS fails here, not later
-        llm_arguments = None
-        if self.config.graph_mode == GraphMode.FULL and device == "cpu":
-            llm_arguments = dict(
-                model=str(self.path), mtp=self.mtp_path, draft_vocab_size=draft_vocab_size, draft_dtype=draft_dtype,
-                num_speculative_tokens=self.config.num_speculative_tokens, max_speculative_tokens=max_speculative_tokens,
-                max_batch_size=max_batch_size, max_seq_len=max_seq_len, device=device, dtype=self.config.dtype,
-                seed=seed, batch_buckets=batch_buckets, prefill_buckets=prefill_buckets, hisparse=hisparse,
-                dequantize=dequantize, quantize=quantize, draft_tree=self.config.draft_tree,
-            )
-        start = StartOptions(calibration_prompt=self._calibration_prompt(), llm_arguments=llm_arguments,
+        start = StartOptions(calibration_prompt=self._calibration_prompt(),
+                             spec=self.spec if self.config.graph_mode == GraphMode.FULL and device == "cpu" else None,
                              tiered_start=bool(background_compile), compile_workers=compile_workers)
         self.engine = Engine(self.model, self.config, self.eos_ids, self.tokenizer, start)
         if warm_up:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from typing import Callable
 
-from .model import decode_attention
+from .model import cpu_kernels
 from .params import RequestOutput, SpecStats
 from .detokenizer import TextStream
 
@@ -135,7 +135,7 @@ class Summary:
                          f"over {self.stats.steps} steps")
         if self.weight_format:
             parts.append(f"weights: {self.weight_format}")
-        if (kernels := decode_attention.status()).startswith("not built"):
+        if (kernels := cpu_kernels.status()).startswith("not built"):
             parts.append(f"CPU kernels {kernels} (slower fallbacks)")
         if self.errors:
             parts.append(f"{self.errors} of {self.requests} prompts failed")
@@ -153,7 +153,7 @@ class Summary:
             "draft_tree": list(self.draft_tree) if self.draft_tree else None,
             "stats": stats_record(self.stats),
             "weight_format": self.weight_format,
-            "cpu_kernels": decode_attention.status(),
+            "cpu_kernels": cpu_kernels.status(),
         }
 
 

@@ -25,7 +25,7 @@ ARCHITECTURE_OF_MODEL_TYPE = {
 GRAPH_MODE_VARIABLE = "COMPILED_SPEC_GRAPH_MODE"
 # The fastest graph mode a GPU run has shown equal to eager in tokens and per-step accepted counts (an H200, torch
 # 2.11: compile equal on every prompt; piecewise diverged at the first step; full's replay never finished). Raise it
-# when python -m benchmarks.cuda_check shows a faster mode equal.
+# when python -m compiled_spec.benchmarks.cuda_check shows a faster mode equal.
 CUDA_DEFAULT = "compile"
 
 
@@ -38,7 +38,7 @@ class GraphMode(str, enum.Enum):
     @classmethod
     def default_for(cls, device: str) -> "GraphMode":
         """full on CPU; on CUDA the fastest mode a GPU run has shown equal to eager in tokens and accepted counts
-        (CUDA_DEFAULT; python -m benchmarks.cuda_check shows it). The environment variable COMPILED_SPEC_GRAPH_MODE
+        (CUDA_DEFAULT; python -m compiled_spec.benchmarks.cuda_check shows it). The environment variable COMPILED_SPEC_GRAPH_MODE
         names another default. (On CPU the LLM starts tiered: it decodes in eager while full's packages compile in
         the background.)"""
         fallback = cls(CUDA_DEFAULT) if device.startswith("cuda") else cls.FULL

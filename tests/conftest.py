@@ -27,9 +27,9 @@ def cpu_kernels_built():
     """Eager passes use the C++ kernels only where they are already built (a fresh machine decodes with the ATen
     fallbacks until a compile builds them). Built first, every test's eager reference uses them whichever test ran
     before it; test_first_text starts fresh machines of its own."""
-    from compiled_spec.model import decode_attention
+    from compiled_spec.model import cpu_kernels
 
-    decode_attention.load()
+    cpu_kernels.load()
 
 
 LLAMA3_ROPE = {

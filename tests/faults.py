@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import fields
 
-from compiled_spec.runtime.graph_modes import StepRunner
+from compiled_spec.compiler.step_runner import StepRunner
 from compiled_spec.speculative.state import DecodeState
 from compiled_spec.speculative.step import speculative_step
 

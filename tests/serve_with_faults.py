@@ -16,8 +16,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from compiled_spec.runtime.engine import Engine  # noqa: E402
-from compiled_spec.runtime.startup import GraphStartup  # noqa: E402
+from compiled_spec.engine.engine import Engine  # noqa: E402
+from compiled_spec.engine.startup import GraphStartup  # noqa: E402
 
 SECRET = "injected fault 7f3a: secret engine detail"
 
@@ -54,7 +54,7 @@ def install(fault_dir: Path) -> None:
 
 if __name__ == "__main__":
     install(Path(sys.argv[1]))
-    from cli import main
+    from compiled_spec.cli import main
 
     sys.argv = ["compiled-spec", *sys.argv[2:]]
     main()

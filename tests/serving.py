@@ -33,4 +33,4 @@ def write_chat_model(path: Path) -> Path:
 
 
 def serve_command(model: Path, *args: str) -> list[str]:
-    return [sys.executable, "-m", "cli", "serve", "--model", str(model), "--port", "{port}", *args]
+    return [sys.executable, "-m", "compiled_spec.cli", "serve", "--model", str(model), "--port", "{port}", *args]

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from compiled_spec import LLM, SamplingParams
-from compiled_spec.model import decode_attention
+from compiled_spec.model import cpu_kernels
 from compiled_spec.model.layers import (
     COMPILED_ATTENTION_MAX_ROWS,
     DECODE_ATTENTION_MAX_ROWS,
@@ -49,7 +49,7 @@ def test_grouped_attention_equals_sdpa(heads, kv_heads, length):
 def test_decode_attention_kernel_equals_sdpa(heads, kv_heads, dim, length):
     """Every head grouping the kernel takes (1-3 query heads of a kv head at once, 7 in two blocks and one), head
     sizes of whole vectors and not, causal rows and rows with holes."""
-    assert decode_attention.load(), "the kernel must build on a machine with a C++ compiler"
+    assert cpu_kernels.load(), "the kernel must build on a machine with a C++ compiler"
     generator = torch.Generator().manual_seed(heads * 100 + dim + length)
     batch, capacity = 3, 53
     q = torch.randn(batch, length, heads, dim, generator=generator)
@@ -64,7 +64,7 @@ def test_decode_attention_kernel_equals_sdpa(heads, kv_heads, dim, length):
 
 
 def test_decode_attention_kernel_gives_zeros_to_a_row_that_attends_to_nothing_and_names_bad_input():
-    assert decode_attention.load()
+    assert cpu_kernels.load()
     q, keys, values = torch.randn(1, 2, 4, 16), torch.randn(1, 10, 2, 16), torch.randn(1, 10, 2, 16)
     attend = torch.zeros(1, 1, 2, 10, dtype=torch.bool)
     attend[0, 0, 1, :4] = True
@@ -102,14 +102,14 @@ def attention_ops_compiled(length: int) -> set[str]:
 
 
 def test_compiled_decode_passes_use_the_kernel_and_longer_passes_sdpa():
-    assert decode_attention.load()
+    assert cpu_kernels.load()
     assert attention_ops_compiled(1) == {"compiled_spec_cpu.decode_attention"}
     assert attention_ops_compiled(DECODE_ATTENTION_MAX_ROWS) == {"compiled_spec_cpu.decode_attention"}
     assert "compiled_spec_cpu.decode_attention" not in attention_ops_compiled(DECODE_ATTENTION_MAX_ROWS + 1)
 
 
 def test_without_the_kernel_compiled_decode_passes_use_grouped_attention_and_longer_passes_sdpa(monkeypatch):
-    monkeypatch.setattr(decode_attention, "loaded", lambda: False)
+    monkeypatch.setattr(cpu_kernels, "loaded", lambda: False)
     torch._dynamo.reset()
     try:
         assert attention_ops_compiled(COMPILED_ATTENTION_MAX_ROWS) == set()

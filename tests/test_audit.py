@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from compiled_spec import LLM, GraphMode, SamplingParams
-from compiled_spec.runtime.graph_modes import spec_backend
+from compiled_spec.compiler.step_runner import spec_backend
 from faults import PositionsInPythonRunner
-from passes import GraphAuditError, SpecPassManager, default_passes
-from passes.manager import PassContext
+from compiled_spec.passes import GraphAuditError, SpecPassManager, default_passes
+from compiled_spec.passes.manager import PassContext
 
 ENGINE = dict(num_speculative_tokens=2, max_batch_size=4, max_seq_len=64, batch_buckets=(4,), prefill_buckets=(64,))
 

@@ -16,9 +16,9 @@ import torch
 from compiled_spec import LLM, SamplingParams
 from compiled_spec.params import RequestOutput, SpecStats
 from compiled_spec.config import GraphMode
-from compiled_spec.runtime.draft_chooser import DraftLengthChooser, LaneOutcome
-from compiled_spec.runtime.graph_modes import StepRunner, graphs_made
-from compiled_spec.runtime.request import Request
+from compiled_spec.engine.draft_chooser import DraftLengthChooser, LaneOutcome
+from compiled_spec.compiler.step_runner import StepRunner, graphs_made
+from compiled_spec.engine.request import Request
 from compiled_spec.speculative.step import Drafts
 from faults import step_without_draft_counts
 from test_audit import audit_failure

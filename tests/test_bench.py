@@ -6,8 +6,8 @@ import json
 import pytest
 from click.testing import CliRunner
 
-import cli
-from benchmarks.anchors import ANCHORS, DEFAULT_ANCHORS
+from compiled_spec import cli
+from compiled_spec.benchmarks.anchors import ANCHORS, DEFAULT_ANCHORS
 
 
 @pytest.fixture(scope="module")
@@ -63,9 +63,9 @@ def test_bench_writes_json_markdown_and_plots(sweep):
 
 
 def test_workload_buckets_pad_each_prompt_as_the_default_engine_does(sweep):
-    from compiled_spec.runtime.buckets import default_prefill_buckets
+    from compiled_spec.engine.buckets import default_prefill_buckets
 
-    from benchmarks.engine_cell import cell_buckets
+    from compiled_spec.benchmarks.engine_cell import cell_buckets
 
     prompts = [[1] * 5, [1] * 20, [1] * 17, [1] * 40, [1] * 90]
     # eager compiles nothing, and its default buckets reach max_seq_len; on CPU full's stop at 256 and the other
@@ -243,8 +243,8 @@ def test_bench_on_a_gguf_file_runs_transformers_and_llama_cpp_anchors(tmp_path):
 
 
 def test_a_plain_cell_faster_than_the_plain_limit_says_the_probe_read_low(sweep):
-    from benchmarks.bandwidth import limit_bandwidth, plain_cells_over_limit
-    from benchmarks.report import bandwidth_text
+    from compiled_spec.benchmarks.bandwidth import limit_bandwidth, plain_cells_over_limit
+    from compiled_spec.benchmarks.report import bandwidth_text
 
     _, out = sweep
     environment = json.loads((out / "results.json").read_text())["environment"]

@@ -1,4 +1,4 @@
-"""The graph canary (runtime/canary.py): a compiled step that writes anything eager does not is caught within N
+"""The graph canary (engine/canary.py): a compiled step that writes anything eager does not is caught within N
 steps, replaced by eager's result, and the engine falls back to a safer mode; the output then equals eager's.
 
 Each fault is one the compile-time passes would reject, so they are off here (passes=[]): the canary is what catches
@@ -13,11 +13,11 @@ import pytest
 import torch
 
 from compiled_spec import LLM, CompiledSpecError, GraphMode, SamplingParams
-from compiled_spec.runtime.canary import Divergence, GraphCanary, copy_state, first_difference
-from compiled_spec.runtime.graph_modes import StepRunner
+from compiled_spec.engine.canary import Divergence, GraphCanary, copy_state, first_difference
+from compiled_spec.compiler.step_runner import StepRunner
 from compiled_spec.speculative.step import Drafts
 from faults import PositionsInPythonRunner, prefilling_in_eager, step_without_draft_counts
-from passes.graph_inputs import state_field
+from compiled_spec.passes.graph_inputs import state_field
 from test_auto_k import ScheduledChooser
 
 ENGINE = dict(num_speculative_tokens=2, max_batch_size=2, max_seq_len=64, batch_buckets=(2,), prefill_buckets=(16,))
@@ -111,7 +111,7 @@ def check_fell_back(llm: LLM, every: int, first_faulty_step: int, mode: GraphMod
     divergences = llm.engine.canary.divergences
     assert len(divergences) == 1  # then the engine runs the safer mode, which the canary checks too
     assert first_faulty_step <= divergences[0].step < first_faulty_step + every
-    assert llm.engine.startup.fallbacks == [mode] and llm.engine.runner.mode == mode
+    assert llm.engine.fallbacks == [mode] and llm.engine.runner.mode == mode
     lines = [r.getMessage() for r in caplog.records if "graph divergence" in r.getMessage()]
     assert lines == [f"compiled-spec: {divergences[0]}; falling back from {lines[0].split('from ')[1].split(' ')[0]} "
                      f"to {mode.value}"]

@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-import cli
+from compiled_spec import cli
 from compiled_spec import GraphMode
 from compiled_spec.cli_format import Streamer
-from compiled_spec.checkpoint import QUANTIZE_TYPES
+from compiled_spec.loading.checkpoint import QUANTIZE_TYPES
 from compiled_spec.config import DEFAULT_MAX_SPECULATIVE_TOKENS, MAX_SPECULATIVE_TOKENS
 from compiled_spec.training.mtp_corpus import DOMAINS
 from compiled_spec.training.train_tokenizer import train_byte_level_bpe

@@ -16,9 +16,9 @@ from torch._inductor.runtime.cache_dir_utils import cache_dir
 
 from compiled_spec import LLM
 from compiled_spec.config import GraphMode
-from compiled_spec.runtime import shared_constants
-from compiled_spec.runtime.background_compile import failed_file
-from compiled_spec.runtime.packaged import PACKAGE_FOLDER, discard_package, package_damage
+from compiled_spec.compiler import weight_store
+from compiled_spec.compiler.background_compile import failed_file
+from compiled_spec.compiler.aot_packages import PACKAGE_FOLDER, discard_package, package_damage
 from test_graph_modes import ENGINE
 from test_tiered_start import decode
 from test_hisparse import prompts_for
@@ -92,18 +92,18 @@ def test_a_compile_child_killed_by_its_pid_takes_its_pool_workers_with_it(tiny_c
 def copy_packages(names: list[str], folder: Path) -> None:
     """The packages `names` of this process's package folder, and their constants, into `folder`."""
     source = Path(cache_dir()) / PACKAGE_FOLDER
-    (folder / shared_constants.FOLDER).mkdir(parents=True)
+    (folder / weight_store.FOLDER).mkdir(parents=True)
     keys = set()
     for name in names:
         shutil.copy(source / name, folder / name)
-        keys |= set(shared_constants.read_manifest(source / name).values())
+        keys |= set(weight_store.read_manifest(source / name).values())
     for key in keys:
-        shutil.copy(source / shared_constants.FOLDER / f"{key}.pt", folder / shared_constants.FOLDER / f"{key}.pt")
+        shutil.copy(source / weight_store.FOLDER / f"{key}.pt", folder / weight_store.FOLDER / f"{key}.pt")
 
 
 def damage_package(package: Path, damage: str) -> None:
-    key = sorted(shared_constants.read_manifest(package).values())[0]
-    constant = package.parent / shared_constants.FOLDER / f"{key}.pt"
+    key = sorted(weight_store.read_manifest(package).values())[0]
+    constant = package.parent / weight_store.FOLDER / f"{key}.pt"
     if damage == "truncated package":
         package.write_bytes(package.read_bytes()[: package.stat().st_size // 2])
     elif damage == "deleted constant":
@@ -135,8 +135,8 @@ def test_a_damaged_package_or_constant_is_named_and_discarded(full_packages, tmp
                                   "altered constant": "altered"}[damage] in found, found
     discard_package(package)
     assert not package.exists()
-    constants = list((tmp_path / shared_constants.FOLDER).glob("*.pt"))
-    assert all(shared_constants.damage(tmp_path, {"c": path.stem}) is None for path in constants)  # none left altered
+    constants = list((tmp_path / weight_store.FOLDER).glob("*.pt"))
+    assert all(weight_store.damage(tmp_path, {"c": path.stem}) is None for path in constants)  # none left altered
 
 
 @pytest.mark.slow

@@ -7,8 +7,8 @@ import json
 import pytest
 import torch
 
-from benchmarks import cuda_check
-from benchmarks.cuda_check import ParityRow, Results, compare, format_table, parse_args, write_results
+from compiled_spec.benchmarks import cuda_check
+from compiled_spec.benchmarks.cuda_check import ParityRow, Results, compare, format_table, parse_args, write_results
 
 
 def test_arguments():

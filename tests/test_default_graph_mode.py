@@ -48,9 +48,9 @@ def test_a_bad_count_of_compile_processes_is_named(tiny_checkpoint, monkeypatch)
 
 
 def test_the_compile_child_starts_its_workers_before_importing_torch():
-    """The compile child (`python -m compiled_spec.compile_worker`) imports nothing heavy before it starts its
+    """The compile child (`python -m compiled_spec.engine.compile_worker`) imports nothing heavy before it starts its
     worker processes, which import torch at the same time; the public names still load on first use."""
-    code = ("import sys, compiled_spec.compile_worker\n"
+    code = ("import sys, compiled_spec.engine.compile_worker\n"
             "print(sorted(m for m in ('torch', 'transformers', 'compiled_spec.api') if m in sys.modules))\n"
             "from compiled_spec import LLM, SamplingParams\n"
             "print(LLM.__module__, SamplingParams.__module__, 'torch' in sys.modules)")

@@ -50,7 +50,7 @@ def test_speculation_pays_off_on_held_out_prompts(engine):
 def test_readme_generate_command_runs_offline_on_the_embedded_model():
     from click.testing import CliRunner
 
-    from cli import main
+    from compiled_spec.cli import main
 
     result = CliRunner().invoke(main, ["generate", "ROMEO:", "--max-tokens", "64"])
     assert result.exit_code == 0, result.output

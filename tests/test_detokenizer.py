@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from compiled_spec.detokenizer import IncrementalDetokenizer, TextStream, held_back
-from compiled_spec.registry import model_path
-from compiled_spec.tokenizer import gguf_tokenizer, load_tokenizer
+from compiled_spec.loading.registry import model_path
+from compiled_spec.loading.tokenizer import gguf_tokenizer, load_tokenizer
 
 DEFAULT_MODEL = Path(__file__).resolve().parents[1] / "compiled_spec" / "default_model"
 TEXTS = [

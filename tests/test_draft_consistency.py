@@ -5,7 +5,7 @@ been computed from verified tokens and hidden states only."""
 import pytest
 import torch
 
-import compiled_spec.runtime.engine as engine_module
+import compiled_spec.engine.engine as engine_module
 from compiled_spec.api import LLM
 from compiled_spec.params import SamplingParams
 from hf_reference import mtp_logits_per_depth

@@ -132,7 +132,7 @@ def test_a_bad_head_count_is_named_and_the_cli_exits_2(tmp_path, head_count, mes
     path, _ = write_gguf(tmp_path, "llama", head_count=head_count)
     with pytest.raises(CompiledSpecError, match=message):
         engine(path)
-    result = subprocess.run([sys.executable, "-m", "cli", "generate", "--model", str(path), "ROMEO:"],
+    result = subprocess.run([sys.executable, "-m", "compiled_spec.cli", "generate", "--model", str(path), "ROMEO:"],
                             capture_output=True, text=True, timeout=120, cwd=Path(__file__).resolve().parents[1])
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
     assert re.search(message, result.stderr), result.stderr

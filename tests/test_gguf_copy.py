@@ -7,7 +7,7 @@ import numpy as np
 from gguf import GGMLQuantizationType, GGUFReader, dequantize
 from gguf.quants import quantize
 
-from benchmarks.gguf_copy import gguf_copy
+from compiled_spec.benchmarks.gguf_copy import gguf_copy
 from compiled_spec import LLM
 from compiled_spec.model.packed_linear import weight_format
 from tiny_gguf import write_gguf

@@ -19,9 +19,9 @@ from torch._dynamo.utils import counters
 from torch._inductor.runtime.cache_dir_utils import cache_dir
 
 from compiled_spec import LLM, SamplingParams
-from compiled_spec.runtime import shared_constants
-from compiled_spec.runtime.graph_modes import PACKAGED_PREFILL_MIN_WIDTH, graphs_made
-from compiled_spec.runtime.packaged import PACKAGE_FOLDER
+from compiled_spec.compiler import weight_store
+from compiled_spec.compiler.step_runner import PACKAGED_PREFILL_MIN_WIDTH, graphs_made
+from compiled_spec.compiler.aot_packages import PACKAGE_FOLDER
 
 K = 2
 # Every test here shares the compiled engines; test_tiered_start[dense] loads the full packages after them.
@@ -191,7 +191,7 @@ def test_a_second_full_engine_on_cpu_loads_every_bucket_instead_of_compiling(wor
     assert first and first.keys() == second.keys()
     def weights(engine):  # the model's weights and the step's constant tensors (rope tables, EOS ids)
         tensors = [*engine.model.state_dict().values(), *engine.constants._asdict().values()]
-        return {shared_constants.digest(t): t for t in tensors if isinstance(t, torch.Tensor)}
+        return {weight_store.digest(t): t for t in tensors if isinstance(t, torch.Tensor)}
 
     own = [(engine_llm, bound, weights(engine_llm.engine)) for engine_llm, bound in ((first_llm, first), (llm, second))]
     for engine_llm, bound, weights in own:
@@ -216,12 +216,12 @@ def test_full_packages_on_cpu_keep_their_weights_outside_and_share_them(compiled
             library = archive.read(next(entry for entry in archive.namelist() if entry.endswith(".so")))
             if shutil.which("strip"):
                 assert b".symtab" not in library  # stripped: the section's name goes with it
-        manifests.append(shared_constants.read_manifest(folder / name))
+        manifests.append(weight_store.read_manifest(folder / name))
     digests = [key for manifest in manifests for key in manifest.values()]
     assert set(digests) == runner.bound_constants().keys()
     for index, manifest in enumerate(manifests):  # each bucket shares constants with another bucket
         others = {key for other in manifests[:index] + manifests[index + 1:] for key in other.values()}
         assert set(manifest.values()) & others, compiled + loaded
     for key, tensor in runner.bound_constants().items():
-        assert shared_constants.digest(torch.load(folder / "constants" / f"{key}.pt")) == key
-        assert shared_constants.digest(tensor) == key
+        assert weight_store.digest(torch.load(folder / "constants" / f"{key}.pt")) == key
+        assert weight_store.digest(tensor) == key

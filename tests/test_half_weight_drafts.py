@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from compiled_spec import LLM, CompiledSpecError, SamplingParams
-from compiled_spec.model import decode_attention
+from compiled_spec.model import cpu_kernels
 from compiled_spec.model.half_weight_linear import HalfWeightLinear
 
 ENGINE = dict(graph_mode="eager", max_seq_len=64, max_batch_size=4, show_progress=False)
@@ -17,7 +17,7 @@ ENGINE = dict(graph_mode="eager", max_seq_len=64, max_batch_size=4, show_progres
 def test_kernel_equals_the_product_with_widened_weights(rows, out_features, in_features):
     """Whole blocks of 4 weight rows and a tail, one to four input rows at a time, features that are not whole
     vectors (through ATen), and more rows than the kernel takes (tiles of widened weight rows, the last partial)."""
-    assert decode_attention.load(), "the kernels must build on a machine with a C++ compiler"
+    assert cpu_kernels.load(), "the kernels must build on a machine with a C++ compiler"
     generator = torch.Generator().manual_seed(rows * 1000 + out_features + in_features)
     x = torch.randn(rows, 1, in_features, generator=generator)
     weight = (torch.randn(out_features, in_features, generator=generator) * 0.05).half()
@@ -29,7 +29,7 @@ def test_kernel_equals_the_product_with_widened_weights(rows, out_features, in_f
 def test_a_few_rows_take_the_kernel_not_a_widened_copy_of_the_weight():
     """On this machine's ISA the kernel is compiled in: a draft-sized product calls no ATen GEMM (the fallback
     widens the float16 weight and multiplies with aten::mm)."""
-    assert decode_attention.load()
+    assert cpu_kernels.load()
     x, weight = torch.randn(4, 576), torch.randn(1536, 576).half()
     with torch.profiler.profile() as profiler:
         torch.ops.compiled_spec_cpu.half_weight_linear(x, weight)
@@ -38,7 +38,7 @@ def test_a_few_rows_take_the_kernel_not_a_widened_copy_of_the_weight():
 
 
 def test_kernel_names_bad_input():
-    assert decode_attention.load()
+    assert cpu_kernels.load()
     x, weight = torch.randn(1, 64), torch.randn(8, 64).half()
     with pytest.raises(RuntimeError, match="x must be float32, got Double"):
         torch.ops.compiled_spec_cpu.half_weight_linear(x.double(), weight)

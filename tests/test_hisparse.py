@@ -17,11 +17,11 @@ from compiled_spec import LLM, CompiledSpecError, GraphMode, HiSparseConfig, Sam
 from compiled_spec.hisparse.fused import hisparse_attention
 from compiled_spec.hisparse.indexer import KeyScorer, LightningIndexer
 from compiled_spec.hisparse.reference import NEVER_EVICT, gather_selected, place_new_rows, sparse_attention, swap_in
-from compiled_spec.runtime.graph_modes import StepRunner, spec_backend
+from compiled_spec.compiler.step_runner import StepRunner, spec_backend
 from faults import prefilling_in_eager, without_draft_mirror
-from passes import SpecPassManager
-from passes.hisparse_fusion import HiSparseFusionPass
-from passes.manager import PassContext
+from compiled_spec.passes import SpecPassManager
+from compiled_spec.passes.hisparse_fusion import HiSparseFusionPass
+from compiled_spec.passes.manager import PassContext
 from test_audit import audit_failure
 
 PROMPT_LENGTHS = (3, 17, 5, 9, 30, 1, 12)
@@ -396,7 +396,7 @@ def test_the_state_mutation_pass_rejects_a_step_without_the_draft_mirror(tiny_ch
 def generate_command(*args):
     from click.testing import CliRunner
 
-    import cli
+    from compiled_spec import cli
 
     return CliRunner().invoke(cli.main, ["generate", *args], prog_name="compiled-spec")
 

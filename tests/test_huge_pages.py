@@ -3,7 +3,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from compiled_spec.huge_pages import copies_on_huge_pages
+from compiled_spec.loading.huge_pages import copies_on_huge_pages
 
 THP_MODE = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 

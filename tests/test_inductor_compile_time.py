@@ -20,12 +20,12 @@ from torch._inductor.codegen import cpp_template_kernel
 from torch._inductor.codegen.common import KernelTemplate
 
 from compiled_spec.config import GraphMode
-from compiled_spec.runtime import inductor_compile_time, torch_patches
-from compiled_spec.runtime.graph_modes import REALIZE_OPCOUNT_THRESHOLD, inductor_options, spec_backend
-from compiled_spec.runtime.micro_gemm_kernel import PREFETCH_DISTANCE, TEMPLATE_ENTRY_AS_SHIPPED, cpp_micro_gemm
+from compiled_spec.compiler import inductor_compile_time, torch_patches
+from compiled_spec.compiler.step_runner import REALIZE_OPCOUNT_THRESHOLD, inductor_options, spec_backend
+from compiled_spec.compiler.micro_gemm_kernel import PREFETCH_DISTANCE, TEMPLATE_ENTRY_AS_SHIPPED, cpp_micro_gemm
 from compiled_spec.speculative import rng
-from passes import SpecPassManager
-from passes.manager import PassContext
+from compiled_spec.passes import SpecPassManager
+from compiled_spec.passes.manager import PassContext
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -14,7 +14,7 @@ import pytest
 from torch._inductor import cpu_vec_isa
 from torch.utils import cpp_extension
 
-from compiled_spec.model import decode_attention
+from compiled_spec.model import cpu_kernels
 
 
 class NoVectorISA:
@@ -33,7 +33,7 @@ def compile_with(isa, source, *mode: str) -> subprocess.CompletedProcess:
     compiler = shutil.which("c++")
     assert compiler, "a C++ compiler is needed to build the CPU kernels"
     includes = [*cpp_extension.include_paths(), sysconfig.get_paths()["include"]]
-    command = [compiler, *mode, "-std=c++20", "-fPIC", *decode_attention.build_flags(isa()),
+    command = [compiler, *mode, "-std=c++20", "-fPIC", *cpu_kernels.build_flags(isa()),
                *(f"-I{path}" for path in includes), "-DTORCH_EXTENSION_NAME=isa_check",
                "-DTORCH_API_INCLUDE_EXTENSION_H", str(source)]
     return subprocess.run(command, capture_output=True, text=True)
@@ -42,7 +42,7 @@ def compile_with(isa, source, *mode: str) -> subprocess.CompletedProcess:
 @pytest.mark.parametrize("isa", [cpu_vec_isa.VecAVX2, cpu_vec_isa.VecAVX512, cpu_vec_isa.VecAMX, NoVectorISA],
                          ids=lambda isa: isa.__name__)
 def test_the_cpu_kernels_compile_with_each_isas_flags(isa):
-    for source in decode_attention.SOURCES:
+    for source in cpu_kernels.SOURCES:
         result = compile_with(isa, source, "-fsyntax-only")
         assert result.returncode == 0, f"{source.name} with {isa.__name__}'s flags:\n{result.stderr[-3000:]}"
 
@@ -54,7 +54,7 @@ VECTOR_KERNELS = {"half_weight_linear.cpp": "HALF_WEIGHT_KERNEL", "packed_linear
 @pytest.mark.parametrize("isa", [cpu_vec_isa.VecAVX2, cpu_vec_isa.VecAVX512, cpu_vec_isa.VecAMX],
                          ids=lambda isa: isa.__name__)
 def test_each_isas_flags_compile_the_vectorized_kernels_not_their_fallbacks(isa):
-    for source in decode_attention.SOURCES:
+    for source in cpu_kernels.SOURCES:
         if source.name not in VECTOR_KERNELS:
             continue
         result = compile_with(isa, source, "-E", "-dM")
@@ -65,18 +65,18 @@ def test_each_isas_flags_compile_the_vectorized_kernels_not_their_fallbacks(isa)
 
 def test_the_extension_name_holds_no_spaces_whatever_the_isa():
     for isa in (cpu_vec_isa.VecAVX2(), cpu_vec_isa.VecAVX512(), cpu_vec_isa.VecAMX()):
-        name = decode_attention._isa_name(isa)
+        name = cpu_kernels._isa_name(isa)
         assert name.replace("_", "").isalnum(), (str(isa), name)
-    assert decode_attention._isa_name(cpu_vec_isa.VecAMX()) == "avx512_avx512_vnni_amx_tile"
+    assert cpu_kernels._isa_name(cpu_vec_isa.VecAMX()) == "avx512_avx512_vnni_amx_tile"
 
 
 BROKEN_BUILD = """
 import sys
 from pathlib import Path
-from compiled_spec.model import decode_attention
-decode_attention.SOURCES = [Path(sys.argv[1])]
-assert not decode_attention.load()
-print(decode_attention.status())
+from compiled_spec.model import cpu_kernels
+cpu_kernels.SOURCES = [Path(sys.argv[1])]
+assert not cpu_kernels.load()
+print(cpu_kernels.status())
 """
 
 

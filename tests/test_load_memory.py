@@ -27,7 +27,7 @@ MEASURE = r"""
 import gc, json, sys
 import gguf, torch
 from compiled_spec import checkpoint, registry
-from compiled_spec.model import decode_attention
+from compiled_spec.model import cpu_kernels
 
 def memory():
     fields = dict(line.split(":", 1) for line in open("/proc/self/status"))
@@ -36,7 +36,7 @@ def memory():
 path = registry.fetch_model("smollm2-135m")
 mtp = registry.shipped_mtp_modules(path)
 tensor_bytes = sum(int(tensor.n_bytes) for tensor in gguf.GGUFReader(str(path)).tensors)
-decode_attention.load()
+cpu_kernels.load()
 gc.collect()
 checkpoint.release_freed_memory()
 before = memory()

@@ -8,7 +8,7 @@ import pytest
 from safetensors.torch import save_file
 
 from compiled_spec import LLM, CompiledSpecError, SamplingParams
-from compiled_spec.registry import (MODELS, SHIPPED_MTP_ROOT, default_draft_vocab_size, default_num_speculative_tokens,
+from compiled_spec.loading.registry import (MODELS, SHIPPED_MTP_ROOT, default_draft_vocab_size, default_num_speculative_tokens,
                                     model_path, shipped_mtp_modules)
 from hf_reference import mtp_logits_per_depth
 from tiny_checkpoints import build_mtp_layers, mtp_state_dict

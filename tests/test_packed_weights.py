@@ -1,4 +1,4 @@
-"""Packed weights (quantized_weights.py, model/packed_linear.py): the repack is exact, the kernel multiplies every row
+"""Packed weights (loading/quantized_weights.py, model/packed_linear.py): the repack is exact, the kernel multiplies every row
 count a decode step or verify pass has, and a packed tiny GGUF decodes in `full` as in eager."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ import torch
 from gguf import GGMLQuantizationType, dequantize
 
 from compiled_spec import LLM, SamplingParams
-from compiled_spec.model import decode_attention
+from compiled_spec.model import cpu_kernels
 from compiled_spec.model.packed_linear import PackedLinear, dequantize_rows, packed_linear, weight_format
-from compiled_spec.quantized_weights import PACKED_TYPES, pack
+from compiled_spec.loading.quantized_weights import PACKED_TYPES, pack
 from tiny_gguf import quantize, write_gguf
 
 # 72 weight rows: threads' chunks end mid-way; two K-quant blocks per row. 74 x 544: a tile of fewer weight rows at
@@ -40,7 +40,7 @@ def test_packed_rows_widen_to_gguf_dequantize_bitwise(tensor_type, shape):
 
 @pytest.mark.parametrize("tensor_type, shape", SHAPES)
 def test_kernel_equals_the_dequantized_product_for_every_row_count(tensor_type, shape):
-    assert decode_attention.load()
+    assert cpu_kernels.load()
     data = quantized(tensor_type, shape, seed=1)
     weight = torch.from_numpy(dequantize(data, getattr(GGMLQuantizationType, tensor_type)).astype(np.float64))
     packed = pack(data, tensor_type)

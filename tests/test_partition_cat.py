@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from passes.manager import PassContext, default_passes
-from passes.partition_cat import PartitionCatPass
+from compiled_spec.passes.manager import PassContext, default_passes
+from compiled_spec.passes.partition_cat import PartitionCatPass
 
 OPTIONS = {"graph_partition": True, "custom_should_partition_ops": ["partition_cat_test::attend"]}
 

@@ -1,6 +1,6 @@
 """piecewise on CPU runs the graph-partition code CUDA captures, and equals eager.
 
-Inductor makes partition functions for CUDA graphs only; piecewise on CPU makes them too (runtime/cpu_partitions.py),
+Inductor makes partition functions for CUDA graphs only; piecewise on CPU makes them too (compiler/cpu_partitions.py),
 running each uncaptured, so a value lost between two partitions (a cat whose slices two partitions write into copies
 of their own: on CUDA, garbage drafts and an index out of bounds) shows here. K=3 drafts, so the drafts, their
 probabilities and the carried hidden states of depths 1..3 are each assembled from values computed after three
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from compiled_spec import LLM, HiSparseConfig, SamplingParams
-from compiled_spec.runtime import cpu_partitions
+from compiled_spec.compiler import cpu_partitions
 
 pytestmark = pytest.mark.slow
 

@@ -14,7 +14,7 @@ import pytest
 
 from compiled_spec import LLM, CompiledSpecError, SamplingParams
 from compiled_spec.chat import chat_prompt
-from benchmarks.live_server import running_server
+from compiled_spec.benchmarks.live_server import running_server
 from serving import serve_command, write_chat_model
 
 K = 2
@@ -298,7 +298,7 @@ def test_chat_without_a_template_is_a_clear_error(offline):
 
 
 def test_the_serve_benchmark_runs_its_levels_without_errors(model_dir, tmp_path):
-    from benchmarks.serve import main
+    from compiled_spec.benchmarks.serve import main
 
     main(["--model", str(model_dir), "-k", "2", "--graph-mode", "eager", "--concurrency", "1,3", "--duration", "1",
           "--max-tokens", "8", "--max-batch-size", "2", "--max-seq-len", "64", "--out", str(tmp_path)])

@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from benchmarks.live_server import running_server
+from compiled_spec.benchmarks.live_server import running_server
 from serving import write_chat_model
 from serve_with_faults import SECRET
 
@@ -290,14 +290,14 @@ def test_an_engine_thread_that_dies_answers_everyone_and_health_says_so(model_di
 
 def test_an_empty_api_key_refuses_to_start(model_dir):
     for args, env in (([ "--api-key", ""], {}), ([], {"COMPILED_SPEC_API_KEY": ""})):
-        result = subprocess.run([sys.executable, "-m", "cli", "serve", "--model", str(model_dir), *args],
+        result = subprocess.run([sys.executable, "-m", "compiled_spec.cli", "serve", "--model", str(model_dir), *args],
                                 capture_output=True, text=True, timeout=120, cwd=REPO, env={**_env(), **env})
         assert result.returncode == 2, result.stderr
         assert "api-key" in result.stderr and "empty" in result.stderr and "Traceback" not in result.stderr
 
 
 def test_serving_every_address_without_a_key_warns(tmp_path):
-    result = subprocess.run([sys.executable, "-m", "cli", "serve", "--host", "0.0.0.0", "--model",
+    result = subprocess.run([sys.executable, "-m", "compiled_spec.cli", "serve", "--host", "0.0.0.0", "--model",
                              str(tmp_path / "no-such-model")], capture_output=True, text=True, timeout=120,
                             cwd=REPO, env=_env())
     warnings = [line for line in result.stderr.splitlines() if line.startswith("warning:")]

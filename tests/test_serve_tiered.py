@@ -13,7 +13,7 @@ import pytest
 
 from compiled_spec import LLM, SamplingParams
 from compiled_spec.config import GRAPH_MODE_VARIABLE
-from benchmarks.live_server import running_server
+from compiled_spec.benchmarks.live_server import running_server
 from serving import serve_command, write_chat_model
 from test_serve import ENGINE, K, PROMPTS, stream_completion
 

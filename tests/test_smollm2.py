@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from compiled_spec import LLM, SamplingParams, fetch_model
 from compiled_spec.model.packed_linear import PackedEmbedding, weight_format
 
-from compiled_spec.registry import SHIPPED_MTP_ROOT
+from compiled_spec.loading.registry import SHIPPED_MTP_ROOT
 
 pytestmark = pytest.mark.slow
 

@@ -14,7 +14,7 @@ import torch
 
 from compiled_spec import LLM, SamplingParams
 from compiled_spec.config import GraphMode
-from compiled_spec.runtime.graph_modes import StepRunner, graphs_made
+from compiled_spec.compiler.step_runner import StepRunner, graphs_made
 from test_graph_modes import ENGINE, PROMPT_LENGTHS
 from test_hisparse import MIRROR_ENGINE, SATURATED, prompts_for
 
@@ -66,7 +66,7 @@ def test_a_switch_from_eager_to_full_mid_request_changes_no_token_and_no_accepte
     graphs = graphs_made(full)
     with torch.compiler.set_stance("fail_on_recompile"):
         tokens, steps = decode(llm, prompts, switch_to=full)
-    assert engine.runner is full and engine.startup.switches == [0, SWITCH_AT_STEP]
+    assert engine.runner is full and engine.switches == [0, SWITCH_AT_STEP]
     assert graphs_made(full) == graphs  # the switch loaded what warm-up made; nothing compiled after it
     assert tokens == eager_tokens
     assert steps == eager_steps
@@ -98,7 +98,7 @@ def test_a_first_start_answers_in_eager_while_full_compiles_in_the_background_th
     names = sorted(engine.runner.package_path(*graph).name for graph in engine.startup.warm_up_graphs())
     assert sorted(name for name, _ in ready) == names  # the step and the prefill graph, one in each process
     assert len({pid for _, pid in ready}) == 2, ready
-    assert engine.startup.graph_mode_run() == f"eager, then full from step {engine.startup.switches[0] + 1}"
+    assert engine.startup.graph_mode_run() == f"eager, then full from step {engine.switches[0] + 1}"
     with torch.compiler.set_stance("fail_on_recompile"):
         assert decode(llm, prompts) == reference
     assert follower.startup.poll_background(wait=True, timeout=60) == "ready" and follower.runner.mode == GraphMode.FULL
@@ -182,4 +182,4 @@ def test_a_failed_switch_to_the_full_graphs_warns_once_and_the_engine_keeps_serv
     warnings = [record for record in caplog.records if record.levelno >= logging.WARNING]
     assert len(warnings) == 1 and "switching to the full graphs failed" in warnings[0].getMessage()
     assert "the package does not load" in warnings[0].getMessage()
-    assert engine.runner is eager and engine.startup.background is None and engine.startup.switches == []
+    assert engine.runner is eager and engine.startup.background is None and engine.switches == []

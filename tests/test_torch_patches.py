@@ -1,5 +1,5 @@
 """compiled-spec changes torch only where it compiles: importing it, or decoding in eager, leaves torch as it ships;
-the first compiled runner installs every patch (runtime/torch_patches.py). Each in a fresh process: this one may have
+the first compiled runner installs every patch (compiler/torch_patches.py). Each in a fresh process: this one may have
 installed them already."""
 
 from __future__ import annotations

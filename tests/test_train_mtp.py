@@ -7,7 +7,7 @@ import re
 from click.testing import CliRunner
 from safetensors.torch import load_file
 
-import cli
+from compiled_spec import cli
 from compiled_spec import LLM, SamplingParams
 from compiled_spec.training.train_mtp import load_config
 from serving import write_chat_model
@@ -88,7 +88,7 @@ def test_self_generated_windows_read_as_decoding_reads_them_and_resume(tmp_path)
     model only on the new ones, and the result equals shards made from scratch. Another base model starts over."""
     import torch
 
-    from compiled_spec.tokenizer import load_tokenizer
+    from compiled_spec.loading.tokenizer import load_tokenizer
     from compiled_spec.training.self_generated import continue_batch, self_generated_windows
     from compiled_spec.training.train_mtp import load_base
 
@@ -148,7 +148,7 @@ def test_self_generated_windows_read_as_decoding_reads_them_and_resume(tmp_path)
 
 
 def test_function_prompts_end_with_a_def_line_and_grow_stably(tmp_path):
-    from compiled_spec.tokenizer import load_tokenizer
+    from compiled_spec.loading.tokenizer import load_tokenizer
     from compiled_spec.training.mtp_corpus import DEF_LINE, code_texts, line_prompts
 
     def ends_with_a_def_line(ids):
@@ -166,7 +166,7 @@ def test_function_prompts_end_with_a_def_line_and_grow_stably(tmp_path):
 
 
 def test_later_code_prompts_come_after_the_earlier_ones_from_modules_of_their_own(tmp_path):
-    from compiled_spec.tokenizer import load_tokenizer
+    from compiled_spec.loading.tokenizer import load_tokenizer
     from compiled_spec.training.mtp_corpus import code_texts
     from compiled_spec.training.train_mtp import domain_prompts
 
@@ -191,7 +191,7 @@ def test_fresh_code_prompts_come_last_and_repeat_no_earlier_prompt(tmp_path):
     """Fresh draws over every training module (earlier and later) follow all the other code prompts, which stay as
     they were; each is new: no fresh prompt repeats an earlier one (nor, in these draws, another fresh one), and
     the held-out prompts do not change."""
-    from compiled_spec.tokenizer import load_tokenizer
+    from compiled_spec.loading.tokenizer import load_tokenizer
     from compiled_spec.training.mtp_corpus import code_texts
     from compiled_spec.training.train_mtp import domain_prompts
 

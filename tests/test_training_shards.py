@@ -10,7 +10,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from compiled_spec import LLM, SamplingParams
-from compiled_spec.tokenizer import load_tokenizer
+from compiled_spec.loading.tokenizer import load_tokenizer
 from compiled_spec.training import self_generated, train_mtp as train_mtp_module
 from compiled_spec.training.self_generated import records_digest, self_generated_windows
 from compiled_spec.training.train_mtp import load_base, load_config, save_weights, train_mtp

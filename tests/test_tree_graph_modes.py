@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from compiled_spec import LLM, HiSparseConfig
-from compiled_spec.runtime.graph_modes import graphs_made
+from compiled_spec.compiler.step_runner import graphs_made
 from faults import prefilling_in_eager
 from test_auto_k import record_steps
 from test_graph_modes import run_workload, workload  # noqa: F401 (a fixture)

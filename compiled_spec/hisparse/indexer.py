@@ -19,8 +19,8 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from ..checkpoint import safetensors_files, split_weights
-from ..gguf_checkpoint import is_gguf
+from ..loading.checkpoint import safetensors_files, split_weights
+from ..loading.gguf_checkpoint import is_gguf
 from ..errors import CompiledSpecError
 from ..model.rope import apply_rotary
 

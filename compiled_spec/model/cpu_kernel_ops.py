@@ -1,5 +1,5 @@
-"""The ops of the CPU kernel build (decode_attention.load): their schemas and fake implementations, defined before the
-build registers its kernels for them. The kernels' sources are decode_attention.SOURCES."""
+"""The ops of the CPU kernel build (cpu_kernels.load): their schemas and fake implementations, defined before the
+build registers its kernels for them. The kernels' sources are cpu_kernels.SOURCES."""
 
 from __future__ import annotations
 

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import decode_attention
+from . import cpu_kernels
 from .layers import MLP, Attention
 
 
@@ -24,7 +24,7 @@ def half_weight_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     multiplies; more (a prefill's drafts) widen a tile of weight rows at a time for ATen's GEMM, so no package keeps
     a float32 copy of the drafts as a constant (docs/cpu-performance.md)."""
     if (torch.compiler.is_compiling() and x.device.type == "cpu" and x.dtype == torch.float32
-            and decode_attention.loaded()):
+            and cpu_kernels.loaded()):
         out = torch.ops.compiled_spec_cpu.half_weight_linear(x, weight)
         return out if bias is None else out + bias
     return F.linear(x, weight.to(x.dtype), bias)

@@ -11,7 +11,7 @@ from torch import nn
 from ..config import ModelConfig
 from ..hisparse.attention import tiered_attention
 from ..hisparse.config import HiSparseConfig
-from . import decode_attention
+from . import cpu_kernels
 from .rope import apply_rotary
 
 
@@ -64,7 +64,7 @@ def attend_with_cache(
         keys, values = key_cache[slot_ids, :attended], value_cache[slot_ids, :attended]
     keys, values = keys.to(q.dtype), values.to(q.dtype)  # a compact HiSparse cold pool is widened to read
     if torch.compiler.is_compiling() and q.device.type == "cpu":
-        if decode_attention.loaded() and q.dtype == torch.float32 and q.shape[1] <= DECODE_ATTENTION_MAX_ROWS:
+        if cpu_kernels.loaded() and q.dtype == torch.float32 and q.shape[1] <= DECODE_ATTENTION_MAX_ROWS:
             return torch.ops.compiled_spec_cpu.decode_attention(q, keys, values, attend)
         if q.shape[1] <= COMPILED_ATTENTION_MAX_ROWS:
             return grouped_attention(q, keys, values, attend)

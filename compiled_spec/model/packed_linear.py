@@ -1,6 +1,6 @@
 """Weights kept quantized in memory: linear layers, the token embedding and a tied head over packed blocks.
 
-Two layouts cover GGUF's Q4_0, Q4_1, Q4_K, Q8_0 and Q6_K (quantized_weights.py repacks them, exactly):
+Two layouts cover GGUF's Q4_0, Q4_1, Q4_K, Q8_0 and Q6_K (loading/quantized_weights.py repacks them, exactly):
   4-bit: nibbles uint8 [N, K/2], scales and mins per 32-value block [N, K/32]; w = scale * q + min. Blocks
          go in pairs, 32 bytes for 64 values: byte 2l holds value l low and l + 16 high, byte 2l + 1 values l + 32 and
          l + 48 (so 16-bit word l holds values l, l + 16, l + 32, l + 48 from its low nibble up); a row's odd last
@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import decode_attention
+from . import cpu_kernels
 
 def unpack_nibbles(qweight: torch.Tensor) -> torch.Tensor:
     """4-bit packed rows [..., K/2] -> their values [..., K] (uint8), in order."""
@@ -40,7 +40,7 @@ def dequantize_rows(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Ten
 
 
 def packed_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None) -> torch.Tensor:
-    if x.device.type == "cpu" and x.dtype == torch.float32 and decode_attention.loaded():
+    if x.device.type == "cpu" and x.dtype == torch.float32 and cpu_kernels.loaded():
         if qweight.dtype == torch.uint8:
             return torch.ops.compiled_spec_cpu.packed_linear_4bit(x, qweight, scales, mins)
         return torch.ops.compiled_spec_cpu.packed_linear_8bit(x, qweight, scales)

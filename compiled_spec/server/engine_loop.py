@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..params import RequestOutput
-from ..runtime.engine import Engine, Request
+from ..engine.engine import Engine, Request
 from .metrics import ServerMetrics
 
 log = logging.getLogger("compiled_spec.server")

@@ -4,7 +4,7 @@ Positions: committed tokens are t_0..t_{L-1} (L = seq_lens); the main KV cache h
 t_{L-1} is the pending token. A step verifies [t_{L-1}, d_1..d_k] at positions L-1..L-1+k, accepts
 n drafts and one more token, so L' = L + n + 1, then drafts t_{L'}..t_{L'+k-1} for the next step.
 The state has K >= k draft slots and each step is compiled for its own k: k can change between steps
-(runtime/draft_chooser.py) because a row's drafts past its draft_counts are rejected, never verified. A step that
+(engine/draft_chooser.py) because a row's drafts past its draft_counts are rejected, never verified. A step that
 drafts k runs depths 1..k only (a k=0 step is plain decoding), so it costs what a K=k engine's step costs. Depths
 past k leave this step's rows unwritten: when a later step drafts more, those depths attend over stale rows, which
 can lower their acceptance but never changes an output (verification is lossless whatever the drafts are).

@@ -14,8 +14,8 @@ import time
 
 import torch
 
-from ..registry import resolve_model
-from ..tokenizer import load_tokenizer
+from ..loading.registry import resolve_model
+from ..loading.tokenizer import load_tokenizer
 from .mtp_corpus import chat_prompts, code_texts, line_prompts
 from .self_generated import continue_batch
 from .train_mtp import MtpTraining, load_base, load_config, rank_vocabulary

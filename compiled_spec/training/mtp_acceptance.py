@@ -20,7 +20,7 @@ from pathlib import Path
 
 from ..api import LLM
 from ..chat import chat_prompt
-from ..checkpoint import MTP_CONFIG_NAME
+from ..loading.checkpoint import MTP_CONFIG_NAME
 from ..model.half_weight_linear import draft_weight_dtype
 from ..params import SamplingParams
 from .evaluate import generate_with_stats

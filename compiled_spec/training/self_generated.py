@@ -19,7 +19,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-from ..registry import sha256_of
+from ..loading.registry import sha256_of
 
 SHARD_LIMIT_BYTES = 16 << 20  # what a device run can bring back in one file
 # Settings a shard must share with the run that reads it; its seed is recorded but not compared (it only chooses

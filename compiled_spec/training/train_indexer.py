@@ -26,7 +26,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from ..api import DEFAULT_MODEL, LLM
-from ..checkpoint import MAIN_KEY, mtp_target, safetensors_files
+from ..loading.checkpoint import MAIN_KEY, mtp_target, safetensors_files
 from ..model.rope import apply_rotary
 from ..speculative.state import DecodeState
 from ..speculative.step import StepConstants, make_layout

@@ -26,9 +26,9 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
 
-from ..checkpoint import MTP_CONFIG_NAME, MTP_WEIGHTS_NAME, read_checkpoint
-from ..registry import resolve_model
-from ..tokenizer import load_tokenizer
+from ..loading.checkpoint import MTP_CONFIG_NAME, MTP_WEIGHTS_NAME, read_checkpoint
+from ..loading.registry import resolve_model
+from ..loading.tokenizer import load_tokenizer
 from . import loop
 from .mtp_corpus import DEF_LINE, DOMAINS, chat_prompts, code_texts, line_prompts, prose_texts
 from .mtp_reference import DECODER_CLASSES, export_mtp_state_dict, mtp_chain, mtp_layers

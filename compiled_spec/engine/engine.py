@@ -1,0 +1,306 @@
+"""The scheduler: slot-based continuous batching over the persistent decode state, for LLM.generate and the server.
+
+Requests wait in a queue until a slot is free. Active requests occupy slots 0..n-1. Between steps the engine admits
+requests into free slots (prefill) and frees finished ones by moving the last active slot into the hole, so the step
+always runs on a prefix of the slots, padded up to a batch bucket (full on CPU, with one step package for every
+batch, runs n requests on n lanes: StepRunner.batch_for); padding lanes are free slots marked done.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from contextlib import contextmanager
+from typing import Callable
+
+import torch
+
+from ..config import EngineConfig, GraphMode
+from ..detokenizer import IncrementalDetokenizer
+from ..model.causal_lm import CausalLM
+from ..params import MIN_SAMPLING_TEMPERATURE
+from ..speculative.state import move_slot
+from ..speculative.step import Drafts
+from .buckets import pick_bucket
+from .canary import SAFER_MODE, GraphCanary
+from .decode_setup import allocate_state, batch_buckets, prefill_buckets, step_constants
+from .draft_chooser import DraftLengthChooser, LaneOutcome
+from .draft_timing import FixedDrafts, calibration_request
+from ..compiler.step_runner import StepRunner
+from .request import Request, StepRecord, TokenCallback
+from .startup import GraphStartup, StartOptions
+
+__all__ = ["Engine", "Request", "StartOptions", "StepRecord", "TokenCallback"]
+
+
+class Engine:
+    def __init__(self, model: CausalLM, config: EngineConfig, eos_ids: tuple[int, ...], tokenizer=None,
+                 start: StartOptions | None = None):
+        self.model = model
+        self.config = config
+        self.tokenizer = tokenizer
+        self.max_drafts = config.max_drafts  # K: draft slots in the state; a step drafts k <= K of them
+        self.chooser = DraftLengthChooser(self.max_drafts, draft_tree=config.draft_tree) if config.auto else None
+        self.state = allocate_state(model, config)
+        self.constants = step_constants(model, config, self.state, eos_ids)
+        self.eos_ids = set(eos_ids)
+        self.batch_buckets = batch_buckets(config)
+        self.prefill_buckets = prefill_buckets(config)
+        self.runner = StepRunner(model, self.state, self.constants, config.graph_mode,
+                                 step_drafts=tuple(self.step_drafts()),
+                                 prefill_width=self.prefill_buckets[-1], batch_size=self.batch_buckets[-1])
+        self.startup = GraphStartup(self, start or StartOptions())
+        self.waiting: deque[Request] = deque()
+        self.slots: list[Request] = []
+        self.step_log: list[list[tuple[int, int]]] = []  # per step of run(): (request index, accepted) of each lane
+        self.step_seconds: list[float] = []  # wall time of each step of run(), the host copy of its results included
+        self.steps_run = 0
+        self.last_num_drafts: int | None = None  # k of the last step
+        self.eager_prefills = 0  # prompts longer than every prefill bucket, prefilled in eager at their own length
+        self.canary = GraphCanary(config.verify_graphs_every) if config.verify_graphs_every else None
+        self.switches: list[int] = []  # steps_run at each use_runner after the first runner
+        self.fallbacks: list[GraphMode] = []  # the mode of each fall_back
+
+    def use_runner(self, runner: StepRunner, initial: bool = False) -> None:
+        """Between two steps: the next steps run on `runner`, which must be bound to this engine's state. Unless it
+        is the runner the engine starts with (initial), that is a switch: the chooser's step times were the old
+        runner's, so each (bucket, drafts) is timed again on its first step."""
+        if runner.state is not self.state:
+            raise ValueError("the runner must be bound to this engine's state")
+        self.runner = runner
+        if not initial:
+            self.switches.append(self.steps_run)
+            if self.chooser:
+                self.chooser.seconds.clear()
+
+    def fall_back(self) -> None:
+        """Between two steps: the next steps run in the next safer graph mode (full, piecewise -> compile -> eager),
+        compiled on its first call. A full graph still compiling in the background is dropped."""
+        mode = SAFER_MODE.get(self.runner.mode, GraphMode.EAGER)
+        self.startup.stop_background()
+        self.constants = self.constants._replace(opaque_attention=mode == GraphMode.PIECEWISE)
+        self.use_runner(StepRunner(self.model, self.state, self.constants, mode, step_drafts=self.runner.step_drafts,
+                                   prefill_width=self.prefill_buckets[-1], batch_size=self.batch_buckets[-1]))
+        self.fallbacks.append(mode)
+
+    @contextmanager
+    def drafting(self, chooser):
+        """Steps inside choose their drafts with `chooser` (calibration's and the benchmark's FixedDrafts)."""
+        own = self.chooser
+        self.chooser = chooser
+        try:
+            yield chooser
+        finally:
+            self.chooser = own
+
+    def calibrate(self, prompt_ids: list[int], max_tokens: int = 48) -> None:
+        """k = auto: decodes one greedy request with the longest chain (K drafts) and, with a token tree, one with the
+        tree, and seeds the chooser's acceptance estimates from the steps of both."""
+        chooser, steps = self.chooser, []
+        runs = [Drafts(chooser.max_drafts)] if chooser.max_drafts else []
+        for drafts in runs + [candidate for candidate in chooser.candidates if candidate.tree]:
+            request = calibration_request(prompt_ids, max_tokens, self.max_drafts)
+            with self.drafting(FixedDrafts(drafts)) as fixed:
+                self.last_num_drafts = drafts.k  # admits with k, steps with drafts
+                self.admit(request)
+                while self.slots:
+                    self.step()
+            steps += fixed.observed
+        chooser.seed_acceptance(steps)
+
+    def step_drafts(self) -> list[Drafts]:
+        """What steps verify and draft: with auto every chain 0..K and the token tree, else the tree or the K chain."""
+        if self.chooser:
+            return list(self.chooser.candidates)
+        return [Drafts(self.max_drafts, tree=self.config.draft_tree is not None)]
+
+    def run(self, requests: list[Request], on_tokens: TokenCallback | None = None) -> None:
+        """Decodes a known list of requests to the end, recording every step in step_log and step_seconds."""
+        self.waiting.extend(requests)
+        while self.has_work():
+            self.admit_waiting(on_tokens)
+            if self.slots:
+                record = self.step(on_tokens)
+                self.step_log.append(record.lanes)
+                self.step_seconds.append(record.seconds)
+
+    def add(self, request: Request) -> None:
+        """Queues a request; admit_waiting admits it once a slot is free."""
+        self.waiting.append(request)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.slots)
+
+    def has_free_slot(self) -> bool:
+        return len(self.slots) < self.config.max_batch_size
+
+    def admit_waiting(self, on_tokens: TokenCallback | None = None,
+                      on_error: Callable[[Request, Exception], None] | None = None,
+                      on_admitting: Callable[[Request], None] | None = None) -> list[Request]:
+        """Admits waiting requests, oldest first, while slots are free (between steps); returns those their first
+        token finished. A request whose admission raises goes to on_error (without one, the error propagates)."""
+        finished = []
+        while self.waiting and self.has_free_slot():
+            request = self.waiting.popleft()
+            if on_admitting is not None:
+                on_admitting(request)
+            try:
+                finished += self.admit(request, on_tokens)
+            except Exception as error:
+                if on_error is None:
+                    raise
+                on_error(request, error)
+        return finished
+
+    def admit(self, request: Request, on_tokens: TokenCallback | None = None) -> list[Request]:
+        """Prefills `request` into the next free slot (between steps); returns it if its first token finished it."""
+        if not self.has_free_slot():
+            raise RuntimeError("admit() needs a free slot; check has_free_slot() first")
+        slot = len(self.slots)
+        params = request.params
+        state = self.state
+        sampled = params.temperature >= MIN_SAMPLING_TEMPERATURE  # a tinier one would overflow the logits
+        state.temperature[slot] = float(params.temperature) if sampled else 0.0
+        state.top_k[slot] = params.top_k
+        state.top_p[slot] = float(params.top_p)
+        state.seeds[slot] = request.seed
+        state.ignore_eos[slot] = params.ignore_eos
+        state.max_new_tokens[slot] = params.max_tokens
+        state.generated[slot] = 0
+        state.done[slot] = False
+        length = len(request.prompt_ids)
+        bucketed = length <= self.prefill_buckets[-1]
+        widths = self.runner.prefill_widths
+        if bucketed:
+            width = max(length, widths[0]) if widths else pick_bucket(self.prefill_buckets, length)
+        else:
+            width = length
+        device = state.seq_lens.device
+        prompt = torch.zeros(1, width, dtype=torch.int64, device=device)
+        prompt[0, :length] = torch.tensor(request.prompt_ids, dtype=torch.int64)
+        prefill = self.runner.prefill if bucketed else self.runner.prefill_eager
+        drafts = self._prefill_drafts()
+        prefill(torch.tensor([slot], device=device), prompt, torch.tensor([length], device=device), drafts)
+        self.eager_prefills += not bucketed
+        if params.stop and self.tokenizer is not None:
+            request.detokenizer = IncrementalDetokenizer(self.tokenizer, params.stop)
+        self.slots.append(request)
+        finished, _, _, _ = self._collect(slot + 1, on_tokens, first_slot=slot, record_stats=False)
+        return finished
+
+    def _prefill_drafts(self) -> int:
+        """K, or with auto the k of its last step: drafts past the k the next step verifies would cost a prefill
+        one draft depth over the prompt each (the depths past k then hold none of its rows)."""
+        return self.last_num_drafts if self.chooser and self.last_num_drafts is not None else self.max_drafts
+
+    def step(self, on_tokens: TokenCallback | None = None) -> StepRecord:
+        """One speculative step over every admitted request; finished requests leave their slots."""
+        self.startup.poll_background()
+        start = time.perf_counter()
+        bucket = pick_bucket(self.batch_buckets, len(self.slots))
+        batch = self.runner.batch_for(bucket, len(self.slots))
+        drafts = self.chooser.choose(bucket) if self.chooser else self.runner.step_drafts[0]
+        self.last_num_drafts = drafts.k
+        divergence = None
+        checked = bool(self.canary and self.runner.mode != GraphMode.EAGER and self.canary.due(self.steps_run + 1))
+        if checked:
+            divergence = self.canary.checked_step(self, batch, drafts, self.steps_run + 1)
+        else:
+            self.runner.step(batch, drafts)
+        finished, lanes, verified, on_leaf = self._collect(len(self.slots), on_tokens, first_slot=0,
+                                                           record_stats=True, drafts=drafts)
+        seconds = time.perf_counter() - start
+        self.steps_run += 1
+        if self.canary:
+            self.canary.observe(self.steps_run, seconds, checked)
+        if self.chooser:
+            outcomes = [LaneOutcome(v, accepted, leaf) for v, (_, accepted), leaf in zip(verified, lanes, on_leaf)]
+            self.chooser.observe_step(bucket, drafts, seconds, outcomes)
+        return StepRecord(finished, lanes, seconds, drafts.k, verified, divergence, drafts.tree, on_leaf)
+
+    def abort(self, index: int) -> Request | None:
+        """Drops the waiting request with this index, or frees the slot of the running one (between steps); None if
+        there is neither."""
+        for request in self.waiting:
+            if request.index == index:
+                self.waiting.remove(request)
+                request.output.finish_reason = "abort"
+                return request
+        for slot, request in enumerate(self.slots):
+            if request.index == index:
+                request.output.finish_reason = "abort"
+                if self.tokenizer is not None:
+                    request.output.text = self.tokenizer.decode(request.output.token_ids, skip_special_tokens=True)
+                self._free(slot)
+                return request
+        return None
+
+    def _collect(self, end: int, on_tokens, first_slot: int, record_stats: bool, drafts: Drafts = Drafts(0)):
+        """Reads what slots first_slot..end-1 emitted (one device-to-host copy) and frees finished slots.
+
+        drafts: what the step verified and drafted. Returns the finished requests, per lane (request index, accepted
+        drafts), per lane the drafts it verified, and per lane whether its path ended on a leaf of the token tree.
+        """
+        s = self.state
+        packed = torch.cat(
+            [s.step_tokens[first_slot:end], s.step_emitted[first_slot:end, None], s.step_accepted[first_slot:end, None],
+             s.step_verified[first_slot:end, None], s.step_on_leaf[first_slot:end, None].long(),
+             s.done[first_slot:end, None].long()], dim=1
+        ).tolist()
+        finished, finished_slots, lanes, verified_counts, on_leaf = [], [], [], [], []
+        for offset, row in enumerate(packed):
+            slot = first_slot + offset
+            request = self.slots[slot]
+            tokens, (count, accepted, verified, leaf, done) = row[: self.max_drafts + 1], row[self.max_drafts + 1:]
+            if record_stats:
+                lanes.append((request.index, accepted))
+                verified_counts.append(verified)
+                on_leaf.append(bool(leaf))
+                if self.max_drafts > 0:
+                    request.output.stats.record(accepted, verified, drafts.k, tree=drafts.tree, on_leaf=bool(leaf))
+            kept = len(request.output.token_ids)
+            stopped = self._append(request, tokens[:count])
+            new_tokens = request.output.token_ids[kept:]  # a stop string drops the tokens after it
+            if on_tokens is not None and new_tokens:
+                on_tokens(request.index, new_tokens)
+            if done or stopped:
+                self._finish(request, stopped)
+                finished.append(request)
+                finished_slots.append(slot)
+        for slot in reversed(finished_slots):
+            self._free(slot)
+        return finished, lanes, verified_counts, on_leaf
+
+    def _append(self, request: Request, new_tokens: list[int]) -> bool:
+        """Adds tokens; returns True when a stop string appeared (tokens after it are dropped)."""
+        output = request.output
+        detokenizer = request.detokenizer
+        if detokenizer is None:
+            output.token_ids.extend(new_tokens)
+            return False
+        for token in new_tokens:
+            output.token_ids.append(token)
+            if detokenizer.add(token):
+                text = self.tokenizer.decode(output.token_ids, skip_special_tokens=True)
+                cuts = [text.find(stop) for stop in request.params.stop if stop in text]
+                output.text = text[:min(cuts, default=detokenizer.stop_at)]
+                return True
+        return False
+
+    def _finish(self, request: Request, stopped: bool) -> None:
+        output = request.output
+        if stopped:
+            output.finish_reason = "stop"
+            return
+        eos_hit = bool(output.token_ids) and output.token_ids[-1] in self.eos_ids and not request.params.ignore_eos
+        output.finish_reason = "stop" if eos_hit else "length"
+        if self.tokenizer is not None:
+            output.text = self.tokenizer.decode(output.token_ids, skip_special_tokens=True)
+
+    def _free(self, slot: int) -> None:
+        last = len(self.slots) - 1
+        if slot != last:
+            move_slot(self.state, last, slot)
+            self.slots[slot] = self.slots[last]
+        self.slots.pop()
+        self.state.done[last] = True

@@ -1,0 +1,1 @@
+"""Loading: checkpoints (safetensors, GGUF), packed quantized weights, named models, tokenizers, memory."""
