@@ -6,7 +6,7 @@ import importlib
 # this file. The compile child (engine/compile_worker.py) starts its worker processes before importing torch.
 _HOMES = {
     "LLM": ".api", "GraphMode": ".config", "CompiledSpecError": ".errors", "HiSparseConfig": ".hisparse",
-    "RequestOutput": ".params", "SamplingParams": ".params", "SpecStats": ".params", "fetch_model": ".registry",
+    "RequestOutput": ".params", "SamplingParams": ".params", "SpecStats": ".params", "fetch_model": ".loading.registry",
 }
 __all__ = list(_HOMES)
 

@@ -2,26 +2,27 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from pathlib import Path
 
 import torch
 
 from .chat import chat_prompt
-from .loading.checkpoint import checkpoint_dtype
-from .config import DEFAULT_MAX_SPECULATIVE_TOKENS, EngineConfig, GraphMode, draft_dtype_name, dtype_name
-from .errors import CompiledSpecError
-from .hisparse.config import HiSparseConfig
-from .model.packed_linear import weight_format
-from .model.rope import rotary_tables
-from .params import RequestOutput, SamplingParams, SpecStats
-from .loading.registry import (default_draft_dtype, default_draft_vocab_size, default_num_speculative_tokens, resolve_model,
-                       shipped_mtp_modules)
 from .compiler.background_compile import compile_worker_count
+from .config import (DEFAULT_MAX_BATCH_SIZE, DEFAULT_MAX_SEQ_LEN, DEFAULT_MAX_SPECULATIVE_TOKENS, EngineConfig,
+                     GraphMode, draft_dtype_name, dtype_name)
+from .engine.decode_setup import allocate_state, step_constants
 from .engine.engine import Engine, Request, StartOptions, TokenCallback
 from .engine.engine_spec import EngineSpec
-from .speculative.state import DecodeState
-from .speculative.step import StepConstants, make_layout
+from .errors import CompiledSpecError
+from .hisparse.config import HiSparseConfig
+from .loading.checkpoint import checkpoint_dtype
+from .loading.registry import (default_draft_dtype, default_draft_vocab_size, default_num_speculative_tokens,
+                               resolve_model, shipped_mtp_modules)
+from .model.packed_linear import weight_format
+from .params import RequestOutput, SamplingParams, SpecStats
+from .speculative.step import make_layout
 
 DEFAULT_MODEL = Path(__file__).parent / "default_model"
 
@@ -34,8 +35,8 @@ class LLM:
         num_speculative_tokens: int | str | None = None,
         max_speculative_tokens: int = DEFAULT_MAX_SPECULATIVE_TOKENS,
         graph_mode: str | GraphMode | None = None,
-        max_batch_size: int = 8,
-        max_seq_len: int = 512,
+        max_batch_size: int = DEFAULT_MAX_BATCH_SIZE,
+        max_seq_len: int = DEFAULT_MAX_SEQ_LEN,
         device: str = "cpu",
         dtype: "str | torch.dtype" = "float32",
         seed: int = 0,
@@ -88,7 +89,7 @@ class LLM:
         self.config = EngineConfig(
             num_speculative_tokens=num_speculative_tokens,
             max_speculative_tokens=max_speculative_tokens,
-            graph_mode=GraphMode.default_for(device) if graph_mode is None else GraphMode.parse(graph_mode),
+            graph_mode=graph_mode,
             max_batch_size=max_batch_size,
             max_seq_len=max_seq_len,
             device=device,
@@ -106,12 +107,13 @@ class LLM:
             draft_dtype = default_draft_dtype(self.path, self.mtp_path, device)
         self.spec = EngineSpec(self.path, self.mtp_path, draft_vocab_size, draft_dtype_name(draft_dtype, self.config.dtype),
                                dequantize, quantize, self.config)
-        self.model = self.spec.load_model()
+        self.model = self.spec.load_weights()
         self.model_config = self.model.config
         if num_speculative_tokens is None and draft_tree is None:  # with a tree, validate makes k its depth
             self.config.num_speculative_tokens = default_num_speculative_tokens(
                 self.path, self.mtp_path, self.model_config.num_mtp_modules)
         self.config.validate(self.model_config)
+        self.spec.attach_indexers(self.model)
         self.tokenizer, self.eos_ids = self.spec.load_tokenizer(self.model)
         if background_compile is None:
             background_compile = graph_mode is None and self.config.graph_mode == GraphMode.FULL and device == "cpu"
@@ -232,11 +234,13 @@ class LLM:
     @torch.inference_mode()
     def _teacher_forced_hidden(self, token_ids: list[int]):
         ids = self._check_prompt(list(token_ids))
-        config, device = self.model_config, self.config.device
-        dtype = self.config.torch_dtype()
-        state = DecodeState.allocate(config, 1, len(ids) + 1, max(1, self.draft_slots), dtype, device)
-        cos, sin = rotary_tables(config, state.cache_capacity)
-        constants = StepConstants(cos.to(device, dtype), sin.to(device, dtype), torch.zeros(0, dtype=torch.int64), len(ids) + 1)
+        device = self.config.device
+        # One slot as long as the text, dense attention, eager, and a draft depth for mtp_logits.
+        config = dataclasses.replace(self.config, num_speculative_tokens=max(1, self.draft_slots), max_batch_size=1,
+                                     max_seq_len=len(ids) + 1, graph_mode=GraphMode.EAGER, hisparse=None,
+                                     draft_tree=None)
+        state = allocate_state(self.model, config)
+        constants = step_constants(self.model, config, state, eos_ids=())
         tokens = torch.tensor([ids], device=device)
         positions = torch.arange(len(ids), device=device)[None]
         slot = torch.zeros(1, dtype=torch.int64, device=device)

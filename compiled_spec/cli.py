@@ -15,11 +15,12 @@ from pathlib import Path
 import click
 from click.exceptions import NoArgsIsHelpError
 
-# Mirrors compiled_spec.config (GraphMode, MAX_SPECULATIVE_TOKENS, DEFAULT_MAX_SPECULATIVE_TOKENS),
-# training.mtp_corpus (DOMAINS) and checkpoint (QUANTIZE_TYPES) without importing torch; a test keeps them equal.
-GRAPH_MODES = ("eager", "compile", "piecewise", "full")
-MAX_SPECULATIVE_TOKENS = 8
-DEFAULT_MAX_SPECULATIVE_TOKENS = 3
+from .config import (DEFAULT_MAX_BATCH_SIZE, DEFAULT_MAX_SEQ_LEN, DEFAULT_MAX_SPECULATIVE_TOKENS,
+                     DEFAULT_NUM_SPECULATIVE_TOKENS, MAX_SPECULATIVE_TOKENS, GraphMode)
+
+GRAPH_MODES = tuple(mode.value for mode in GraphMode)
+# Mirror training.mtp_corpus (DOMAINS) and loading.checkpoint (QUANTIZE_TYPES) without importing torch; a test keeps
+# them equal.
 DOMAINS = ("code", "prose", "chat")
 QUANTIZE_TYPES = ("q8_0", "q4_0")
 
@@ -171,8 +172,9 @@ def engine_options(command):
                      help=f"Tokens drafted per step by the MTP module(s), 0..{MAX_SPECULATIVE_TOKENS}; "
                           "0 turns speculation off; auto chooses k before each step, 0..--max-speculative-tokens, "
                           "for the most expected tokens per second (from step times measured at start-up and the "
-                          "running acceptance).  [default: 3; 2 for smollm2-135m with its shipped modules, its "
-                          "fastest fixed k; with --draft-tree, the tree's depth; 0 for a model without MTP modules]"),
+                          f"running acceptance).  [default: {DEFAULT_NUM_SPECULATIVE_TOKENS}; 2 for smollm2-135m "
+                          "with its shipped modules, its fastest fixed k; with --draft-tree, the tree's depth; 0 for "
+                          "a model without MTP modules]"),
         click.option("--max-speculative-tokens", "max_speculative_tokens", type=int,
                      default=DEFAULT_MAX_SPECULATIVE_TOKENS, show_default=True,
                      help="With -k auto: the largest k it may choose."),
@@ -194,9 +196,9 @@ def engine_options(command):
                           "(compiled_spec:graph_divergence_total in /metrics) and the engine falls back to a safer "
                           "graph mode (full, piecewise -> compile -> eager). 0 is off. [default: off for generate; "
                           "serve: every 256th step, less often where checks would cost over 2% of decode time]"),
-        click.option("--max-batch-size", "max_batch_size", type=int, default=8, show_default=True,
+        click.option("--max-batch-size", "max_batch_size", type=int, default=DEFAULT_MAX_BATCH_SIZE, show_default=True,
                      help="Prompts decoded together; more prompts wait for a free slot."),
-        click.option("--max-seq-len", "max_seq_len", type=int, default=512, show_default=True,
+        click.option("--max-seq-len", "max_seq_len", type=int, default=DEFAULT_MAX_SEQ_LEN, show_default=True,
                      help="Prompt plus generated tokens, per request."),
         click.option("--hisparse", is_flag=True,
                      help="Sparse attention for decode steps: each query reads its top tokens (by an indexer score) "
@@ -208,21 +210,14 @@ def engine_options(command):
     return command
 
 
-def make_llm(model, mtp, draft_vocab_size, num_speculative_tokens, graph_mode, max_batch_size, max_seq_len, seed,
-             hisparse, top_k_tokens, hot_rows, cold_dtype, cold_pool, warm_up=True,
-             max_speculative_tokens=DEFAULT_MAX_SPECULATIVE_TOKENS, draft_dtype=None, verify_graphs=0,
-             dequantize=False, quantize=None, draft_tree=None):
-    """The LLM engine_options ask for; bad input becomes an InputError (one `error:` line, exit 2)."""
+def make_llm(hisparse, top_k_tokens, hot_rows, cold_dtype, cold_pool, verify_graphs, warm_up=True, **engine):
+    """The LLM the engine options (engine_options) ask for; bad input becomes an InputError (one `error:` line,
+    exit 2). engine: the options that are LLM's arguments by the same names."""
     from compiled_spec import LLM, CompiledSpecError
 
     try:
         sparse = hisparse_config(hisparse, top_k_tokens, hot_rows, cold_dtype, cold_pool)
-        return LLM(model, num_speculative_tokens=num_speculative_tokens, max_speculative_tokens=max_speculative_tokens,
-                   graph_mode=graph_mode,
-                   max_batch_size=max_batch_size, max_seq_len=max_seq_len, seed=seed, hisparse=sparse, mtp=mtp,
-                   draft_vocab_size=draft_vocab_size, draft_dtype=draft_dtype, warm_up=warm_up,
-                   verify_graphs_every=verify_graphs, dequantize=dequantize, quantize=quantize,
-                   draft_tree=draft_tree)
+        return LLM(hisparse=sparse, verify_graphs_every=verify_graphs, warm_up=warm_up, **engine)
     except CompiledSpecError as error:
         raise InputError(str(error)) from None
 
@@ -269,10 +264,8 @@ def main():
               help="Each PROMPT is a user message: apply the model's chat template and print only the answer.")
 @click.option("--json", "as_json", is_flag=True,
               help="Print one JSON object per prompt, then one with the aggregate (JSON lines).")
-def generate(prompts, prompt_ids, model, mtp, draft_vocab_size, draft_dtype, dequantize, quantize,
-             num_speculative_tokens, max_speculative_tokens, draft_tree, temperature, top_p, top_k, max_tokens, seed,
-             graph_mode, verify_graphs, max_batch_size, max_seq_len, stop, ignore_eos, chat, as_json, hisparse,
-             top_k_tokens, hot_rows, cold_dtype, cold_pool):
+def generate(prompts, prompt_ids, temperature, top_p, top_k, max_tokens, stop, ignore_eos, chat, as_json, verify_graphs,
+             **engine):
     """Generate text for each PROMPT with MTP speculative decoding.
 
     Each step the MTP module(s) draft k tokens; the main model verifies them in one pass and keeps
@@ -308,10 +301,7 @@ def generate(prompts, prompt_ids, model, mtp, draft_vocab_size, draft_dtype, deq
                                 stop=[unescape(text) for text in stop] or None, ignore_eos=ignore_eos)
     except CompiledSpecError as error:
         raise InputError(str(error)) from None
-    llm = make_llm(model, mtp, draft_vocab_size, num_speculative_tokens, graph_mode, max_batch_size, max_seq_len,
-                   seed, hisparse, top_k_tokens, hot_rows, cold_dtype, cold_pool,
-                   max_speculative_tokens=max_speculative_tokens, draft_dtype=draft_dtype,
-                   verify_graphs=verify_graphs or 0, dequantize=dequantize, quantize=quantize, draft_tree=draft_tree)
+    llm = make_llm(verify_graphs=verify_graphs or 0, **engine)
     if llm.tokenizer is None and any(isinstance(p, str) for p in all_prompts):
         raise InputError(f"model {str(llm.path)!r} has no tokenizer; pass prompts as --prompt-ids 1,2,3")
 
@@ -376,10 +366,8 @@ def generate(prompts, prompt_ids, model, mtp, draft_vocab_size, draft_dtype, deq
               help="Append one JSON line per decode step: the requests in the batch, drafts accepted, waiting.")
 @click.option("--log-level", "log_level", type=click.Choice(("critical", "error", "warning", "info", "debug")),
               default="info", show_default=True)
-def serve(model, mtp, draft_vocab_size, draft_dtype, dequantize, quantize, num_speculative_tokens,
-          max_speculative_tokens, draft_tree, graph_mode, verify_graphs, max_batch_size, max_seq_len, seed, hisparse,
-          top_k_tokens, hot_rows, cold_dtype, cold_pool, host, port, api_key, served_model_name, max_queue,
-          max_request_bytes, body_timeout, shutdown_timeout, step_log, log_level):
+def serve(host, port, api_key, served_model_name, max_queue, max_request_bytes, body_timeout, shutdown_timeout,
+          step_log, log_level, verify_graphs, **engine):
     """Serve the model over HTTP with an OpenAI-compatible API.
 
     \b
@@ -418,11 +406,8 @@ def serve(model, mtp, draft_vocab_size, draft_dtype, dequantize, quantize, num_s
     if api_key is None and host not in ("127.0.0.1", "localhost", "::1"):
         click.echo(f"warning: serving on {host} without --api-key: anyone who can reach this address can use the "
                    "server", err=True)
-    llm = make_llm(model, mtp, draft_vocab_size, num_speculative_tokens, graph_mode, max_batch_size, max_seq_len,
-                   seed, hisparse, top_k_tokens, hot_rows, cold_dtype, cold_pool, warm_up=False,
-                   max_speculative_tokens=max_speculative_tokens, draft_dtype=draft_dtype,  # the engine thread warms up
-                   verify_graphs=SERVE_VERIFY_GRAPHS_EVERY if verify_graphs is None else verify_graphs,
-                   dequantize=dequantize, quantize=quantize, draft_tree=draft_tree)
+    llm = make_llm(verify_graphs=SERVE_VERIFY_GRAPHS_EVERY if verify_graphs is None else verify_graphs,
+                   warm_up=False, **engine)  # the engine thread warms up
     if verify_graphs is None and llm.engine.canary is not None:  # serve's default rate keeps under its budget
         llm.engine.canary.budget = SERVE_BUDGET
     if served_model_name:
@@ -430,11 +415,11 @@ def serve(model, mtp, draft_vocab_size, draft_dtype, dequantize, quantize, num_s
     elif llm.path == DEFAULT_MODEL:
         name = "compiled-spec-default"
     else:  # a registry name as given, else the checkpoint folder's or file's name
-        name = model if model in MODELS else llm.path.resolve().name
+        name = engine["model"] if engine["model"] in MODELS else llm.path.resolve().name
     options = ServerOptions(model_name=name, api_key=api_key, max_queue=max_queue,
                             max_request_bytes=max_request_bytes, body_timeout_s=body_timeout, step_log=step_log)
     click.echo(f"serving {name!r} (k={llm.num_speculative_tokens}, {llm.config.graph_mode.value}, "
-               f"max batch {max_batch_size}) on http://{host}:{port}/v1", err=True)
+               f"max batch {llm.config.max_batch_size}) on http://{host}:{port}/v1", err=True)
     try:
         run_server(llm, options, host=host, port=port, shutdown_timeout_s=shutdown_timeout, log_level=log_level)
     except CompiledSpecError as error:

@@ -169,8 +169,12 @@ class ModelConfig:
 
 
 MAX_SPECULATIVE_TOKENS = 8
+# k for a model with MTP modules when none is asked for (a named model with its shipped modules has its own).
+DEFAULT_NUM_SPECULATIVE_TOKENS = 3
 # The largest k auto may choose unless told otherwise.
 DEFAULT_MAX_SPECULATIVE_TOKENS = 3
+DEFAULT_MAX_BATCH_SIZE = 8
+DEFAULT_MAX_SEQ_LEN = 512
 AUTO = "auto"
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -237,11 +241,11 @@ def tree_leaves(widths: tuple[int, ...] | None) -> int:
 
 @dataclass(slots=True)
 class EngineConfig:
-    num_speculative_tokens: int | str = 3  # or "auto": chosen per step, 0..max_speculative_tokens
+    num_speculative_tokens: int | str = DEFAULT_NUM_SPECULATIVE_TOKENS  # or "auto": chosen per step, 0..max
     max_speculative_tokens: int = DEFAULT_MAX_SPECULATIVE_TOKENS
-    graph_mode: GraphMode = GraphMode.EAGER
-    max_batch_size: int = 8
-    max_seq_len: int = 512
+    graph_mode: GraphMode | None = None  # None: GraphMode.default_for(device), set by validate
+    max_batch_size: int = DEFAULT_MAX_BATCH_SIZE
+    max_seq_len: int = DEFAULT_MAX_SEQ_LEN
     device: str = "cpu"
     dtype: str = "float32"
     seed: int = 0
@@ -315,7 +319,8 @@ class EngineConfig:
                 f"num_speculative_tokens={self.num_speculative_tokens} needs MTP weights, but this checkpoint has no "
                 "MTP modules; use num_speculative_tokens=0"
             )
-        self.graph_mode = GraphMode.parse(self.graph_mode)
+        self.graph_mode = (GraphMode.default_for(self.device) if self.graph_mode is None
+                           else GraphMode.parse(self.graph_mode))
         if not isinstance(self.max_batch_size, int) or not 1 <= self.max_batch_size <= 256:
             raise CompiledSpecError(f"max_batch_size={self.max_batch_size!r} is out of range; allowed 1..256")
         limit = model_config.max_position_embeddings

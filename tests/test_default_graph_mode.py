@@ -15,10 +15,10 @@ def test_full_is_the_default_and_on_cpu_it_starts_tiered(tiny_checkpoint, monkey
     path = tiny_checkpoint("predictive").path
     llm = LLM(path, max_seq_len=32, warm_up=False)
     assert llm.config.graph_mode == GraphMode.FULL
-    assert llm.engine.startup.options.tiered_start and llm.engine.startup.options.llm_arguments is not None  # warm-up would compile in the background
+    assert llm.engine.startup.options.tiered_start and llm.engine.startup.options.spec is not None  # warm-up would compile in the background
     given = LLM(path, max_seq_len=32, graph_mode="full", warm_up=False)
     assert not given.engine.startup.options.tiered_start  # a graph mode given: warm-up waits for its compile
-    assert given.engine.startup.options.llm_arguments is not None  # (which runs in child processes where that is quicker)
+    assert given.engine.startup.options.spec is not None  # (which runs in child processes where that is quicker)
 
 
 def test_the_environment_names_another_default(tiny_checkpoint, monkeypatch):
@@ -26,7 +26,7 @@ def test_the_environment_names_another_default(tiny_checkpoint, monkeypatch):
     assert GraphMode.default_for("cpu") == GraphMode.COMPILE
     monkeypatch.setenv(GRAPH_MODE_VARIABLE, "eager")
     llm = LLM(tiny_checkpoint("predictive").path, max_seq_len=32)
-    assert llm.config.graph_mode == GraphMode.EAGER and not llm.engine.startup.options.tiered_start and llm.engine.startup.options.llm_arguments is None
+    assert llm.config.graph_mode == GraphMode.EAGER and not llm.engine.startup.options.tiered_start and llm.engine.startup.options.spec is None
     monkeypatch.setenv(GRAPH_MODE_VARIABLE, "fast")
     with pytest.raises(CompiledSpecError, match="COMPILED_SPEC_GRAPH_MODE='fast' is not a graph mode; choose one "
                                                 "of: eager, compile"):

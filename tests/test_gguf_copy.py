@@ -1,5 +1,5 @@
-"""benchmarks.gguf_copy: the benchmark's Q8_0 (and F32) twin of a GGUF file is the same model, requantized the way
-the gguf package quantizes, metadata and all; this engine loads it packed."""
+"""compiled_spec.benchmarks.gguf_copy: the benchmark's Q8_0 (and F32) twin of a GGUF file is the same model,
+requantized the way the gguf package quantizes, metadata and all; this engine loads it packed."""
 
 from __future__ import annotations
 

@@ -4,6 +4,8 @@ of requests changes no token and no accepted count, and nothing compiles after i
 
 from __future__ import annotations
 
+import dataclasses
+
 import logging
 import re
 import time
@@ -123,9 +125,11 @@ def test_a_failed_background_compile_warns_once_the_engine_keeps_serving_in_eage
     llm = LLM(path, graph_mode="full", background_compile=True, compile_workers=2, show_progress=False, warm_up=False,
               **options)
     if fault == "model gone":
-        llm.engine.startup.options.llm_arguments["model"] = str(tmp_path / "gone")  # neither compile process can load the model
+        options = llm.engine.startup.options  # neither compile process can load the model
+        options.spec = dataclasses.replace(options.spec, model=tmp_path / "gone")
     else:
-        llm.engine.startup.options.llm_arguments["max_seq_len"] = 32  # the child's engine keys its packages differently
+        options = llm.engine.startup.options  # the child's engine keys its packages differently
+        options.spec = options.spec.with_config(max_seq_len=32)
     llm.engine.startup.warm_up(show_progress=False)
     with caplog.at_level(logging.WARNING):
         assert llm.engine.startup.poll_background(wait=True, timeout=300) == "failed"

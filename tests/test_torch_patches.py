@@ -53,7 +53,7 @@ print(json.dumps([changed(shipped, after_import), changed(shipped, after_eager),
 # install() where torch does not read as a patch expects: that patch (only) stays as shipped and says so once.
 INSTALL_ON_ANOTHER_TORCH = SNAPSHOT + """
 logging.basicConfig(level=logging.WARNING, stream=sys.stdout, format="LOG %(message)s")
-from compiled_spec.runtime import torch_patches
+from compiled_spec.compiler import torch_patches
 case = sys.argv[1]
 if case == "entry reads otherwise":
     cpp_micro_gemm.CppMicroGemmFP32Vec.TEMPLATE_ENTRY = "an entry the chunks do not fit"

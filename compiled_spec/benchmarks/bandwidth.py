@@ -47,7 +47,7 @@ def measure_in_subprocess(threads: int = 0) -> float | None:
 
 def limit_bandwidth(readings: dict[str, float | None]) -> float | None:
     """The bandwidth the plain-decoding limit uses: the highest reading. A probe that shares the machine with other
-    work reads low (16.8 GB/s against 32 a minute later on a 2-core VM), and a low limit flatters every cell."""
+    work reads low (docs/benchmarks.md), and a low limit flatters every cell."""
     found = [value for value in readings.values() if value]
     return max(found) if found else None
 

@@ -3,10 +3,10 @@
 A cell is one engine configuration (graph mode, k, batch size) or one anchor (a transformers baseline at a
 batch size). Every cell generates the same number of tokens for the same prompt token ids, greedy.
 
-With several rounds, every cell runs once per round, in a fresh process each time, and keeps its fastest round.
-On a shared 2-core VM the same compiled graph runs up to 1.6x slower in one process than in another, and the
-machine slows and recovers over minutes; rounds spread both over every cell alike, so cells compare side by side.
-The first round compiles what the cache lacks; later rounds start warm.
+With several rounds, every cell runs once per round, in a fresh process each time, and keeps its fastest round. On a
+shared 2-core VM the same compiled graph runs at different speeds in different processes (docs/benchmarks.md), and
+the machine slows and recovers over minutes; rounds spread both over every cell alike, so cells compare side by
+side. The first round compiles what the cache lacks; later rounds start warm.
 """
 
 from __future__ import annotations

@@ -1,11 +1,12 @@
 """full on CPU: each bucket compiled ahead of time into an AOTInductor package, kept on disk by key.
 
-torch.compile cannot start frozen CPU graphs quickly: Dynamo traces them again in every process, AOT
-autograd does not cache a graph with freezing on, and inductor's FX graph cache skips frozen graphs (the
-MKL-packed weights among their constants cannot be pickled), so a warm start of the default model's
-buckets took ~400 s. Here a bucket is exported (torch.export: one graph or an error, like
-fullgraph=True), compiled by inductor with full's options (max-autotune, freezing) and the same passes,
-and saved under the inductor cache dir; a process that needs the same bucket loads it in milliseconds.
+torch.compile cannot start frozen CPU graphs quickly: Dynamo traces them again in every process, AOT autograd does
+not cache a graph with freezing on, and inductor's FX graph cache skips frozen graphs (the MKL-packed weights among
+their constants cannot be pickled), so a warm start through torch.compile recompiles every bucket
+(docs/graph-modes.md, "full on CPU: ahead-of-time packages", has the figure). Here a bucket is exported
+(torch.export: one graph or an error, like fullgraph=True), compiled by inductor with full's options (max-autotune,
+freezing) and the same passes, and saved under the inductor cache dir; a process that needs the same bucket loads it
+in milliseconds.
 
 A package has no guards, so its key covers everything the compiled code depends on: the weights' bytes
 (frozen into it), the constants, the state's layout, the bucket, the function and the code that shapes
@@ -35,9 +36,8 @@ from torch._inductor.package import package_aoti
 from torch._inductor.runtime.cache_dir_utils import cache_dir
 from torch.export.graph_signature import InputKind
 
-from ..passes.graph_inputs import named_inputs
-
 from ..model import cpu_kernels
+from ..passes.graph_inputs import named_inputs
 from ..speculative.state import DecodeState
 from . import weight_store
 
@@ -223,7 +223,7 @@ class AheadOfTimeCompiled:
 
 def stripped(library: str, directory: Path) -> str:
     """A copy of a shared library in `directory` without its symbol table and debug sections (what dlopen needs
-    stays): a step package's library shrank from 3.85 to 0.72 MB here. The library itself where strip is missing."""
+    stays), a fraction of the library's size. The library itself where strip is missing."""
     if shutil.which("strip") is None:
         return library
     copy = directory / Path(library).name
@@ -273,7 +273,8 @@ def model_digest(model, constants) -> str:
 
 
 # Where the code that shapes compiled graphs starts: the model, the speculative step and state, HiSparse, the passes,
-# and the runtime modules that build graphs and install torch's patches. graph_code_files() adds what they import.
+# and the compiler modules (compiler/) that build graphs, store their weights and install torch's patches.
+# graph_code_files() adds what they import.
 GRAPH_CODE = ("compiled_spec/model", "compiled_spec/speculative", "compiled_spec/hisparse", "compiled_spec/passes",
               "compiled_spec/compiler/step_runner.py", "compiled_spec/compiler/aot_packages.py",
               "compiled_spec/compiler/weight_store.py", "compiled_spec/compiler/torch_patches.py")

@@ -60,7 +60,7 @@ class BackgroundCompile:
                  description: str = "compiling full graphs in the background (decoding in eager meanwhile)",
                  beside_text: bool = False):
         """beside_text: text streams on stdout meanwhile; where stdout and stderr are one file (a terminal, `2>&1`),
-        progress is one line now instead of a bar redrawn inside the text."""
+        progress is then one line, not a bar redrawn inside the text."""
         self.graphs, self.paths = graphs, paths
         self.failed_file = failed_file(paths)
         folder = paths[0].parent

@@ -13,22 +13,18 @@ wrapper where CUDA would capture it. The compiled code is the CUDA partition cod
 from __future__ import annotations
 
 import contextlib
-import threading
+
+from . import torch_patches
 
 # Changes when the partition code this makes changes (it is part of the pass manager's cache key).
 VERSION = "1"
 PARTITION_OPS = ("compiled_spec::cached_attention", "compiled_spec::hisparse_attention")
 
-_lock = threading.RLock()
 
-
-def _partition_only_at_partition_ops(original):
-    def should_partition(scheduler, node):
-        # Inductor's other reasons (a CPU node; any node while cudagraphs are off) would split at every node.
-        reason = original(scheduler, node)
-        return reason if reason is not None and reason.startswith("custom partition op") else None
-
-    return should_partition
+def _only_at_partition_ops(original, scheduler, node):
+    # Inductor's other reasons (a CPU node; any node while cudagraphs are off) would split at every node.
+    reason = original(scheduler, node)
+    return reason if reason is not None and reason.startswith("custom partition op") else None
 
 
 # The number of partition functions of each graph compiled (or loaded from the FX graph cache) inside
@@ -46,15 +42,5 @@ def _identity_wrapper(function, metadata):
 def partitions_on_cpu():
     """Compiles made inside partition CPU graphs at the partition ops (the inductor options must name them in
     custom_should_partition_ops and set graph_partition and triton.cudagraphs)."""
-    from torch._inductor import scheduler, utils
-
-    with _lock:
-        original = scheduler.Scheduler.should_partition
-        previous_wrapper = utils._unstable_customized_partition_wrapper.wrapper
-        scheduler.Scheduler.should_partition = _partition_only_at_partition_ops(original)
-        utils.set_customized_partition_wrappers(_identity_wrapper)
-        try:
-            yield
-        finally:
-            scheduler.Scheduler.should_partition = original
-            utils.set_customized_partition_wrappers(previous_wrapper)
+    with torch_patches.partitions_where(_only_at_partition_ops, _identity_wrapper):
+        yield

@@ -22,17 +22,17 @@ from torch.utils._filelock import FileLock
 
 def templates_parsed_once(template_from_string):
     """KernelTemplate._template_from_string, keeping each parsed template. Inductor parses the jinja source of a C++
-    GEMM template's parts (ten sources) again for every GEMM it renders, and renders each GEMM twice: 2800 parses for
-    the default model's step and prefill graphs (140 GEMMs), and more with depth. The parsed template depends on the
-    source alone, so it is kept: the two graphs compiled in 106 s instead of 124."""
+    GEMM template's parts (ten sources) again for every GEMM it renders, and renders each GEMM twice, so a graph
+    parses the same sources thousands of times. The parsed template depends on the source alone, so it is kept
+    (docs/graph-modes.md, "What a graph's compile costs, and what was cut")."""
     return functools.cache(template_from_string)
 
 
 def index_expressions_parsed_once(parse):
     """cpp_template_kernel.parse_expr_with_index_symbols, parsing each text once per process. A C++ template kernel
-    parses its index expressions from text with sympy each time it renders: the default model's batch-1 k=3 step and
-    16-token prefill made 5599 such calls over 12 distinct texts, 7.2 s of their 164 s compile. The parse depends on
-    the text alone and sympy expressions are immutable."""
+    parses its index expressions from text with sympy each time it renders: a graph makes thousands of such calls
+    over a dozen distinct texts (docs/graph-modes.md, "What a graph's compile costs, and what was cut"). The parse
+    depends on the text alone and sympy expressions are immutable."""
     parsed_text = functools.cache(parse)
 
     def parse_once(expr):
@@ -51,11 +51,10 @@ def share_micro_gemms(kernel_code: str) -> str:
 
     Each C++ GEMM template kernel defines its own micro-GEMM templates, named after the kernel, and instantiates them
     for every row block up to its register blocking (16 unrolled vector kernels each). A graph's GEMMs differ in
-    shape, not in their micro-GEMM: the default model's batch-1 k=3 step has 23 GEMM kernels and 2 distinct
-    micro-GEMMs, SmolLM2-135M's k=2 step 16 and 2. Their kernel sources compiled in 20-34 s and 26-28 s, and in 8 s
-    and 6 s with each micro-GEMM defined once. Each is named after its source here; the source is the same, so what
-    is compiled from it is too. A micro-GEMM whose source names anything else of its kernel keeps its own
-    definition."""
+    shape, not in their micro-GEMM: a step's GEMM kernels share a couple of distinct micro-GEMMs, each instantiated
+    in every kernel, and g++ compiles each copy (docs/graph-modes.md, "What a graph's compile costs, and what was
+    cut"). Each is named after its source here; the source is the same, so what is compiled from it is too. A
+    micro-GEMM whose source names anything else of its kernel keeps its own definition."""
     defined: set[str] = set()
     pieces, position = [], 0
     for match in _MICRO_GEMM.finditer(kernel_code):
@@ -161,9 +160,9 @@ def objects_built_at_once(compile_library):
     when all are done, and builds the runtime interface (the opening quarter of each wrapper source, the same in every
     graph) once per cache folder instead of in every wrapper. It replaces CppBuilder.build while it runs.
 
-    AotCodeCompiler builds the wrapper's and the kernels' objects one after the other: for the default model's
-    batch-1 step 11.4 s and 7.7 s. Its wrapper took 14.9 s at -O1 in one measurement, 11.2 s without the interface,
-    and the interface 4.3 s alone. The objects compiled are the same code as before, split in two files."""
+    AotCodeCompiler builds the wrapper's and the kernels' objects one after the other, and every wrapper compiles the
+    same runtime interface again. The objects compiled are the same code inductor would build, split in two files
+    (docs/graph-modes.md, "What a graph's compile costs, and what was cut")."""
     build = CppBuilder.build
     pool = ThreadPoolExecutor(len(_OBJECT_SOURCES) + 1, thread_name_prefix="object-build")
 
@@ -212,8 +211,8 @@ def probe_vector_isas_in_background() -> None:
     threads, so that they run while the first graph is still being traced.
 
     Inductor makes them the first time it needs the vector ISA, one after the other: four g++ builds of its
-    vector headers, 10.7 s here, once per cache folder. Compile processes that start together wait on one another's
-    locks for them. Each check is cached by inductor, so the later lookups return its result."""
+    vector headers, once per cache folder. Compile processes that start together wait on one another's locks for
+    them. Each check is cached by inductor, so the later lookups return its result."""
     global _isa_probes
     if _isa_probes is not None or platform.machine() not in ("x86_64", "AMD64"):
         return

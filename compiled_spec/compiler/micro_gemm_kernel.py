@@ -1,31 +1,28 @@
 """The C++ GEMM template's fp32 micro-kernel as full compiles it on CPU: accumulators kept in registers, the
 weights prefetched when it computes more than one row, and on AVX2 each weight vector loaded once per k-step.
 
-- **Accumulators.** The kernel keeps its block of C in a `VectorizedN` of `Vectorized<float>`, and g++ 12 stored
-  every accumulator to the stack after each of its FMAs, in every k-step: a store per FMA. Held as the raw vector
-  type (`__m512` / `__m256`), the same loop keeps them in registers. Over 41 rows, compute-bound, 30
-  SmolLM2-sized MLPs then took 32 ms instead of 68, and MKL 40 (benchmarks/gemm_rows.py). On an AVX2 VM it
-  changed nothing measurable.
-- **Prefetch.** A decode step's GEMMs stream weights that do not fit in cache. Over one row the kernel did that at
-  27-30 GB/s here, but over 3 rows at 18 and over 4 at 15-16: the same loads with three or four times the FMAs
-  between them keep fewer cache misses in flight. Prefetching the packed weight block PREFETCH_DISTANCE k-steps
-  ahead, into L2, brought 3 and 4 rows to 27-29 GB/s, ahead of MKL's 20-23. Over one row it did not help, so that
-  kernel does not prefetch. A prefetch never faults, so the one that reaches past the end of a block is harmless.
-- **Weights in registers (AVX2).** g++ 12 folded each weight vector's load into every row's FMA, so a 4-row k-step
-  made 12 loads of 3 vectors; AVX2 has 16 vector registers and the 12 accumulators, the 3 weights and a broadcast
-  row value just fit. An empty asm that takes each loaded vector as a register operand makes g++ keep it there
-  (GNU inline asm, which g++ and clang take; other compilers keep the load as it was).
-  On an AVX2-only Zen 3 VM, 10 SmolLM2 MLPs over 238 rows (a long prompt's prefill) took 81-86 ms instead of
-  154-168, over 64 rows 23 instead of 43; over 1-6 rows the times stayed within the VM's noise. AVX-512 has 32
-  registers and was not measured, so it keeps the load as it was.
-- **K in chunks over a few row blocks (AVX2).** Over more rows than its register block (4 on AVX2), the kernel's entry
-  made one pass per row block over each K-chunk of a weight panel: the later passes read what the first brought, and
-  their prefetches reached only those lines, so memory idled while they ran. With 5-16 rows the entry now walks K
-  in chunks of PREFETCH_DISTANCE k-steps, every row block over each chunk, so the first block's prefetches fetch the
-  next chunk while the others compute on this one. The sums run in the same order, so results are bitwise the same.
-  30 SmolLM2 MLPs on the AVX2 Zen 3 VM, p50 ms of 4 interleaved rounds: 5 rows 11.99 against 13.49, 8 rows 12.58
-  against 15.08, 16 rows 19.59 against 22.46; 41 rows 47.30 against 46.99 (their FMAs bound them, so the split
-  stops at 4 row blocks); 4 rows, one block, unchanged. A k=4 step verifies 5 rows, a k=3 step at batch 2 8.
+- **Accumulators.** The kernel keeps its block of C in a `VectorizedN` of `Vectorized<float>`, and g++ 12 stores
+  every accumulator to the stack after each of its FMAs, in every k-step. Held as the raw vector type
+  (`__m512` / `__m256`), the same loop keeps them in registers. Compute-bound GEMMs (prefill) gain most.
+- **Prefetch.** A decode step's GEMMs stream weights that do not fit in cache; over several rows the same loads
+  with several times the FMAs between them keep fewer cache misses in flight. The packed weight block is
+  prefetched PREFETCH_DISTANCE k-steps ahead, into L2, when the kernel computes more than one row; over one row it
+  does not help, so that kernel does not prefetch. A prefetch never faults, so the one that reaches past the end
+  of a block is harmless.
+- **Weights in registers (AVX2).** g++ 12 folds each weight vector's load into every row's FMA, so a 4-row
+  k-step makes 12 loads of 3 vectors; AVX2 has 16 vector registers and the 12 accumulators, the 3 weights and a
+  broadcast row value just fit. An empty asm that takes each loaded vector as a register operand makes g++ keep
+  it there (GNU inline asm, which g++ and clang take; other compilers keep the load as it is). AVX-512 has 32
+  registers and is not measured, so it keeps the load as it is.
+- **K in chunks over a few row blocks (AVX2).** Over more rows than its register block (4 on AVX2), the
+  template's entry makes one pass per row block over each K-chunk of a weight panel: the later passes read what
+  the first brought, and their prefetches reach only those lines, so memory idles while they run. The changed
+  entry walks K in chunks of PREFETCH_DISTANCE k-steps for 5-16 rows, every row block over each chunk, so the
+  first block's prefetches fetch the next chunk while the others compute on this one. The sums run in the same
+  order, so results are bitwise the same. Wider passes are bound by their FMAs, so the split stops at
+  SPLIT_MAX_ROW_BLOCKS. A k=4 step verifies 5 rows, a k=3 step at batch 2 8.
+
+Measured in docs/cpu-performance.md, "GEMMs" (python -m compiled_spec.benchmarks.gemm_rows).
 
 torch_patches.py installs the first three (the kernel) and the fourth (the entry) as two patches, each once per
 process. A torch whose template reads otherwise keeps that part as it is: slower, as correct.
@@ -38,9 +35,8 @@ import re
 import torch._inductor.compile_fx  # noqa: F401  first: cpp_micro_gemm imported on its own is a circular import
 from torch._inductor.codegen import cpp_micro_gemm
 
-# k-steps ahead: 32 x 48 floats, 6 KB of the packed block. On AVX-512 16 streamed about 5% slower, 64 about 12%
-# slower; on an AVX2 Zen 3 VM no distance or hint ranked above another over repeats
-# (docs/cpu-performance.md).
+# k-steps ahead: 32 x 48 floats, 6 KB of the packed block; the distance is measured in docs/cpu-performance.md
+# ("GEMMs").
 PREFETCH_DISTANCE = 32
 # Row blocks (block_m rows each) up to which the entry walks K in chunks: decode passes, bound by their bytes.
 SPLIT_MAX_ROW_BLOCKS = 4

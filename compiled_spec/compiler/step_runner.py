@@ -27,17 +27,16 @@ from pathlib import Path
 import torch
 from torch._inductor.compile_fx import compile_fx
 
+from ..config import GraphMode
+from ..model import cpu_kernels
+from ..model.causal_lm import CausalLM
+from ..model.layers import COMPILED_ATTENTION_MAX_ROWS, DECODE_ATTENTION_MAX_ROWS
 from ..passes import SpecPassManager, default_passes
 from ..passes.graph_inputs import named_inputs, source_names
 from ..passes.manager import PassContext
-
-from ..config import GraphMode
-from ..model.causal_lm import CausalLM
-from ..model import cpu_kernels
-from ..model.layers import COMPILED_ATTENTION_MAX_ROWS, DECODE_ATTENTION_MAX_ROWS
 from ..speculative.state import DecodeState
 from ..speculative.step import Drafts, StepConstants, prefill, speculative_step, state_writes
-from . import cpu_partitions, weight_store, torch_patches
+from . import cpu_partitions, torch_patches, weight_store
 from .aot_packages import AheadOfTimeCompiled, DynamicSize, model_digest
 
 # The shortest prompt width the one prefill package of full on CPU takes: at fewer rows attention takes another path
@@ -51,9 +50,8 @@ PACKAGED_STEP_MIN_LARGEST_BATCH = 3
 # Inductor inlines a pointwise node into each of its uses until the inlined function has this many ops (default: 50
 # on CPU), and lowering evaluates the inlined function again for each use. The sampler's counter-based hash
 # (speculative/rng.py) uses every intermediate twice (x ^ (x >> 16)), three mix32 deep, so its expression trees
-# doubled per stage: one uniform draw over the vocabulary took 41 s to compile alone (7.6 s for a trivial graph),
-# and a default-model step and prefill graph 209 s together. Realized at 16 ops, the draw compiles in 8 s and runs
-# as fast, and the two graphs in 124 s.
+# double per stage and lowering's work with them. Realized at 16 ops, the draw compiles several times faster and runs
+# as fast (docs/graph-modes.md, "What a graph's compile costs, and what was cut").
 REALIZE_OPCOUNT_THRESHOLD = 16
 
 
@@ -70,11 +68,10 @@ def _mode_options(mode: GraphMode, device: torch.device) -> dict:
             # Packaged ahead of time: no graph replay on CPU, and freezing for the C++ GEMM templates, the only GEMM
             # choice. Their micro-kernel, as torch_patches changes it, keeps its accumulators (and on AVX2 its weight
             # vectors) in registers and prefetches the weights over several rows (micro_gemm_kernel): a step that
-            # verifies k+1 rows then streams them about as fast as a one-row step does. Without that, ATen's GEMMs
-            # were faster for an engine that drafts ("GEMMs of an engine that drafts, on CPU", README). The
-            # templates won all 24 autotunes below 16 rows here (by 1.18-8.8x), and ATen 18 of 26 at 16-64 rows, but
-            # ATen's choice pre-packs its weight into an opaque MKL-DNN tensor, which cannot be stored outside the
-            # package (weight_store). One choice is not benchmarked, which also shortens the compile.
+            # verifies k+1 rows then streams them about as fast as a one-row step does. With the template as torch
+            # ships it, ATen's GEMMs are faster over several rows (docs/cpu-performance.md, "GEMMs"). ATen's choice
+            # pre-packs its weight into an opaque MKL-DNN tensor, which cannot be stored outside the package
+            # (weight_store), so the template is the only choice; not benchmarking two also shortens the compile.
             options.update({"freezing": True, "triton.cudagraphs": False, "max_autotune_gemm_backends": "CPP"})
         else:
             # All or nothing: one captured graph per step. A step that cannot be captured whole raises instead of
@@ -141,8 +138,8 @@ class StepRunner:
         PACKAGED_PREFILL_MIN_WIDTH up to it (prefill_widths).
         batch_size: the largest batch step is called with (the largest batch bucket); with it, full on CPU compiles
         one step package (per chain or tree) for every batch from 1 up to it (step_batches), when it is
-        PACKAGED_STEP_MIN_LARGEST_BATCH or more. (A package of batch 1's own stepped 1-4% faster at batch 1, but was
-        a third graph for the default buckets' cold start: README, Start-up.)"""
+        PACKAGED_STEP_MIN_LARGEST_BATCH or more. (Batch 1's own package would be one more graph to compile at every
+        cold start; the trade is measured in docs/graph-modes.md.)"""
         self.mode = mode
         self.state = state
         self.step_drafts = step_drafts

@@ -1,5 +1,7 @@
 """Every change compiled-spec makes to torch, in one place. install() makes them when the first compiled runner (or
-compile backend) is built: importing compiled_spec, or decoding in eager, leaves torch as it ships.
+compile backend) is built: importing compiled_spec, or decoding in eager, leaves torch as it ships. Two more last
+only as long as one compile (context managers at the end of this file): partitions at the partition ops alone
+(piecewise on CPU, cpu_partitions.py), and a look at each AOTInductor library's constants (weight_store.py).
 
 - Dynamo's recompile limits, raised: every bucket of every engine in a process is a specialization of the same
   step and prefill functions.
@@ -15,9 +17,11 @@ which patches are in place, from the text each installed, so that compiled code 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import inspect
 import logging
+import threading
 import types
 from dataclasses import dataclass
 from typing import Callable
@@ -187,3 +191,47 @@ def cache_key() -> str:
     if _keys is None:
         raise RuntimeError("torch_patches.install() has not run")
     return "; ".join(f"{name}: {key}" for name, key in sorted(_keys.items()))
+
+
+# The changes below last as long as one compile; a lock keeps two threads from nesting them out of order.
+_scoped = threading.RLock()
+
+
+@contextlib.contextmanager
+def partitions_where(should_partition: Callable, wrap_partition: Callable):
+    """Inside: inductor's Scheduler.should_partition(scheduler, node) is should_partition(original, scheduler, node),
+    and each partition function is wrapped by wrap_partition(function, metadata) (torch's partition-wrapper hook)."""
+    from torch._inductor import scheduler, utils
+
+    _expect(scheduler.Scheduler, "should_partition", types.FunctionType, ["self", "node"])
+    with _scoped:
+        original = scheduler.Scheduler.should_partition
+        previous_wrapper = utils._unstable_customized_partition_wrapper.wrapper
+        scheduler.Scheduler.should_partition = lambda self, node: should_partition(original, self, node)
+        utils.set_customized_partition_wrappers(wrap_partition)
+        try:
+            yield
+        finally:
+            scheduler.Scheduler.should_partition = original
+            utils.set_customized_partition_wrappers(previous_wrapper)
+
+
+@contextlib.contextmanager
+def before_each_aot_library(see_graph: Callable):
+    """Inside: see_graph(graph) runs before each AOTInductor shared library is compiled, with the lowered graph
+    (its constants among what it holds)."""
+    from torch._inductor.codecache import AotCodeCompiler
+
+    _expect(AotCodeCompiler, "compile", classmethod, _AOT_COMPILE_PARAMETERS)
+    with _scoped:
+        compile_library = AotCodeCompiler.compile.__func__
+
+        def compile_seen(cls, graph, *args, **kwargs):
+            see_graph(graph)
+            return compile_library(cls, graph, *args, **kwargs)
+
+        AotCodeCompiler.compile = classmethod(compile_seen)
+        try:
+            yield
+        finally:
+            AotCodeCompiler.compile = classmethod(compile_library)

@@ -1,7 +1,7 @@
 """One copy of the frozen weights for every package: AOTInductor constants kept outside the packages.
 
-Freezing folds each weight into the graph's constants (C++ GEMM templates pre-pack it), so every bucket's
-package used to carry its own copy. Packages are now compiled with their constants outside the shared
+Freezing folds each weight into the graph's constants (C++ GEMM templates pre-pack it), so each bucket's
+package would carry its own copy. Packages are therefore compiled with their constants outside the shared
 library, and each constant is stored once under the folder, named by the sha256 of its dtype, shape, strides
 and bytes. A package keeps only the map from its constant names to those digests; loading binds the stored
 tensors by pointer (user-managed). Buckets whose constants are equal share one file on disk and one tensor in
@@ -19,9 +19,9 @@ import zipfile
 from pathlib import Path
 
 import torch
-from torch._inductor.codecache import AotCodeCompiler
 
 from ..loading.huge_pages import copies_on_huge_pages
+from . import torch_patches
 
 FOLDER = "constants"
 MANIFEST_NAME = "compiled_spec_constants.json"  # inside the package, beside the shared library
@@ -39,23 +39,18 @@ def left_out_of_the_library():
     those repeat: one step graph here had three constants whose original name was constant29, so it
     kept one of the three and load_constants(check_full_update=True) failed."""
     constants: dict[str, torch.Tensor] = {}
-    compile_library = AotCodeCompiler.compile.__func__
 
-    def compile_and_collect(cls, graph, *args, **kwargs):
+    def collect(graph) -> None:
         constants.update({name: graph.get_original_value_of_constant(name) for name in graph.constants
                           if name not in graph.folded_constants})
-        return compile_library(cls, graph, *args, **kwargs)
 
-    AotCodeCompiler.compile = classmethod(compile_and_collect)
-    try:
+    with torch_patches.before_each_aot_library(collect):
         yield constants
-    finally:
-        AotCodeCompiler.compile = classmethod(compile_library)
 
 
 def digest(tensor: torch.Tensor) -> str:
     """sha256 of a tensor's dtype, shape, strides and bytes: the key a constant is stored under, and what
-    packaged.model_digest hashes each weight by."""
+    aot_packages.model_digest hashes each weight by."""
     hasher = hashlib.sha256(repr((tensor.dtype, tuple(tensor.shape), tensor.stride())).encode())
     hasher.update(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
     return hasher.hexdigest()

@@ -15,12 +15,12 @@ def default_batch_buckets(max_batch_size: int) -> tuple[int, ...]:
 
 # On CPU, in compile and piecewise, a prompt longer than this prefills in eager at its own length instead of in a
 # compiled bucket, so start-up compiles 3 prefill graphs instead of 6 at the default max_seq_len. Prefill that long
-# is GEMM-bound: on SmolLM2-135M eager at the exact length took 0.80-1.47x (about 1.15x) the time of `full` padded
-# to its power-of-two bucket then. The small default model pays more (docs/cpu-performance.md, "Prefill").
+# is GEMM-bound, and compile and piecewise multiply with ATen's GEMMs as eager does, so a compiled bucket padded to a
+# power of two buys little over eager at the exact length (docs/cpu-performance.md, "Prefill").
 CPU_COMPILED_PREFILL_LIMIT = 64
 # full on CPU compiles one prefill package for every prompt width up to its largest bucket, so a higher limit costs
-# that package a wider range, not more graphs. Since its GEMMs keep their accumulators in registers
-# (micro_gemm_kernel) it prefills SmolLM2-135M's prompts of 117-238 tokens in 0.73-0.79x eager's time.
+# that package a wider range, not more graphs. With the changed micro-kernel (micro_gemm_kernel) its package prefills
+# faster than eager past 64 tokens (docs/cpu-performance.md, "Prefill", has the figures).
 FULL_CPU_COMPILED_PREFILL_LIMIT = 256
 
 

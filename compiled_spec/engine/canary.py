@@ -30,7 +30,7 @@ logger = logging.getLogger("compiled_spec.canary")
 # (rtol, atol) for floating fields: compiled and eager kernels sum in different orders.
 FLOAT_TOLERANCE = {torch.float32: (1e-3, 1e-4), torch.float16: (1e-2, 1e-3), torch.bfloat16: (3e-2, 1e-2)}
 # serve's rate: at most one checked step in 256, and fewer where a check costs more than SERVE_BUDGET of the time
-# (README, "The graph canary").
+# (docs/graph-modes.md, "The graph canary").
 SERVE_VERIFY_GRAPHS_EVERY = 256
 SERVE_BUDGET = 0.02
 SAFER_MODE = {GraphMode.FULL: GraphMode.COMPILE, GraphMode.PIECEWISE: GraphMode.COMPILE,

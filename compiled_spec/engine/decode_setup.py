@@ -9,8 +9,8 @@ from ..hisparse.backend import HiSparseAttention
 from ..hisparse.indexer import index_key_dims
 from ..model.causal_lm import CausalLM
 from ..model.rope import rotary_tables
-from ..speculative.state import DecodeState
 from ..speculative.attention_backend import DenseAttention
+from ..speculative.state import DecodeState
 from ..speculative.step import StepConstants
 from .buckets import checked_buckets, compiled_prefill_limit, default_batch_buckets, default_prefill_buckets
 

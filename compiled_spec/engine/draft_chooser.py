@@ -17,7 +17,8 @@ every step, chain or tree, updates the chains' a_i: a tree step whose path ended
 that accepted d - 1. What only a tree step shows is l_d, the chance that a leaf at depth d is accepted when the
 chain's draft there was rejected; a leaf ends the path, so the tree's expected tokens are
 1 + sum over d of a_1 * ... * a_{d-1} * (a_d + (1 - a_d) * l_d). The tree's estimate thus follows the chains' while
-the tree is not chosen (before, it kept the estimate of its last steps, and a stale one could keep choosing it).
+the tree is not chosen: an estimate moved only by the tree's own steps would go stale while a chain is chosen, and
+could keep choosing the tree.
 """
 
 from __future__ import annotations

@@ -15,6 +15,7 @@ from typing import Callable
 
 import torch
 
+from ..compiler.step_runner import StepRunner
 from ..config import EngineConfig, GraphMode
 from ..detokenizer import IncrementalDetokenizer
 from ..model.causal_lm import CausalLM
@@ -26,7 +27,6 @@ from .canary import SAFER_MODE, GraphCanary
 from .decode_setup import allocate_state, batch_buckets, prefill_buckets, step_constants
 from .draft_chooser import DraftLengthChooser, LaneOutcome
 from .draft_timing import FixedDrafts, calibration_request
-from ..compiler.step_runner import StepRunner
 from .request import Request, StepRecord, TokenCallback
 from .startup import GraphStartup, StartOptions
 

@@ -29,13 +29,21 @@ class EngineSpec:
     quantize: str | None
     config: EngineConfig  # validated against the model
 
+    def load_weights(self) -> CausalLM:
+        """The model as the checkpoint and the weight options make it (no HiSparse indexers yet)."""
+        return load_model(self.model, self.config.torch_dtype(), self.config.device, mtp=self.mtp,
+                          draft_vocab_size=self.draft_vocab_size, draft_dtype=getattr(torch, self.draft_dtype),
+                          dequantize=self.dequantize, quantize=self.quantize)
+
+    def attach_indexers(self, model: CausalLM) -> None:
+        """HiSparse's indexers, where the (validated) config asks for HiSparse."""
+        if self.config.hisparse is not None:
+            attach_indexers(model, self.model, self.config.hisparse.scorer)
+
     def load_model(self) -> CausalLM:
-        config = self.config
-        model = load_model(self.model, config.torch_dtype(), config.device, mtp=self.mtp,
-                           draft_vocab_size=self.draft_vocab_size, draft_dtype=getattr(torch, self.draft_dtype),
-                           dequantize=self.dequantize, quantize=self.quantize)
-        if config.hisparse is not None:
-            attach_indexers(model, self.model, config.hisparse.scorer)
+        """The whole model of a validated spec (a compile process's)."""
+        model = self.load_weights()
+        self.attach_indexers(model)
         return model
 
     def load_tokenizer(self, model: CausalLM):

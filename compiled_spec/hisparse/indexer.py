@@ -19,9 +19,9 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from ..errors import CompiledSpecError
 from ..loading.checkpoint import safetensors_files, split_weights
 from ..loading.gguf_checkpoint import is_gguf
-from ..errors import CompiledSpecError
 from ..model.rope import apply_rotary
 
 INDEXER_KEY = ".self_attn.indexer."

@@ -14,11 +14,11 @@ from safetensors import safe_open
 
 from ..config import ModelConfig
 from ..errors import CompiledSpecError
-from .gguf_checkpoint import is_gguf, read_gguf
-from ..model.causal_lm import CausalLM
 from ..model import cpu_kernels
+from ..model.causal_lm import CausalLM
 from ..model.half_weight_linear import store_drafts_in_half
 from ..model.layers import MoE
+from .gguf_checkpoint import is_gguf, read_gguf
 from .huge_pages import copies_on_huge_pages
 from .quantized_weights import PackedMatrix, pack, use_packed_weights
 

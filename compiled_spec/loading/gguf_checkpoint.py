@@ -60,9 +60,9 @@ def _reader(path: Path):
 
     class ArraysUnread(GGUFReader):
         """gguf's reader, except that an array field's items are stepped over, not read: the tokenizer's arrays
-        (tokens, merges: about 100,000 strings for SmolLM2) would each become numpy views, 150 MB of small Python
-        objects whose freed space the loaded model's objects then pin, page by page, for good. Such a field keeps
-        only its type and length parts."""
+        (tokens, merges) would each become numpy views, small Python objects whose freed space the loaded model's
+        objects then pin, page by page, for good (docs/models.md). Such a field keeps only its type and length
+        parts."""
 
         def _get_field_parts(self, orig_offs: int, raw_type: int):
             if GGUFValueType(raw_type) != GGUFValueType.ARRAY:

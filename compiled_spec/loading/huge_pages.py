@@ -1,9 +1,7 @@
 """Copies of tensors in one block of memory advised to the kernel for transparent huge pages.
 
-A decode step streams every weight once; on 2 MiB pages it takes far fewer TLB misses to do so. Measured on a
-2-core EPYC VM (THP 'madvise'): a sum over 540 MB read 34-37 GB/s on huge pages against 29-32 on 4 KiB pages,
-and the default model's full k=2 batch-1 step made about 2% more tokens/s (docs/cpu-performance.md, "Weights on
-huge pages").
+A decode step streams every weight once; on 2 MiB pages it takes far fewer TLB misses to do so (measured in
+docs/cpu-performance.md, "Weights on huge pages").
 Where the kernel offers no huge pages (THP 'never'), the block is plain memory and nothing changes."""
 
 from __future__ import annotations

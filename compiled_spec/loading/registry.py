@@ -18,9 +18,10 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from .checkpoint import MTP_WEIGHTS_NAME
+from ..config import DEFAULT_NUM_SPECULATIVE_TOKENS
 from ..errors import CompiledSpecError
 from .cache import cache_root
+from .checkpoint import MTP_WEIGHTS_NAME
 
 
 @dataclass(frozen=True)
@@ -33,7 +34,7 @@ class NamedModel:
     license: str
     description: str
     # k when none is asked for and the shipped MTP modules draft: the fastest k in the benchmark (docs/choosing-k.md).
-    num_speculative_tokens: int = 3
+    num_speculative_tokens: int = DEFAULT_NUM_SPECULATIVE_TOKENS
     # The draft vocabulary when none is asked for, with the shipped modules (None: the size they were trained with).
     draft_vocab_size: int | None = None
     # The drafts' weight dtype on CPU with the shipped modules, when none is asked for (None: the engine's).
@@ -54,9 +55,8 @@ MODELS = {
         license="Apache-2.0",
         description="SmolLM2-135M-Instruct (HuggingFaceTB), Llama, 30 layers, d576, GGUF Q4_1, 98 MB",
         num_speculative_tokens=2,  # its fastest fixed k on its packed Q4_1 file (docs/choosing-k.md)
-        # Trained with 16384. With 8192 the head (18.9 MB) fits a 32 MB L3: k=3 made 56.7 tokens/s against 46.7 on
-        # such a VM, and accepted within 0.8 points of the full head at position 1 in every domain
-        # (docs/cpu-performance.md).
+        # Trained with 16384; 8192 fits a 32 MB L3 and accepts about as well (docs/cpu-performance.md,
+        # "Sub-vocabulary draft head: 8192 tokens for SmolLM2").
         draft_vocab_size=8192,
         draft_dtype="float16",
     ),
@@ -145,11 +145,11 @@ def named_model_drafting_with_its_modules(path: Path, mtp_path: Path | None) -> 
 
 def default_num_speculative_tokens(path: Path, mtp_path: Path | None, num_mtp_modules: int) -> int:
     """k when none is asked for: 0 without MTP modules; the named model's own k with the modules shipped for it;
-    else 3."""
+    else DEFAULT_NUM_SPECULATIVE_TOKENS."""
     if not num_mtp_modules:
         return 0
     model = named_model_drafting_with_its_modules(path, mtp_path)
-    return 3 if model is None else model.num_speculative_tokens
+    return DEFAULT_NUM_SPECULATIVE_TOKENS if model is None else model.num_speculative_tokens
 
 
 def default_draft_vocab_size(path: Path, mtp_path: Path | None) -> int | None:

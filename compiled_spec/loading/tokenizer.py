@@ -1,5 +1,5 @@
 """The model's tokenizer, through transformers.AutoTokenizer: the directory's when it ships one, or built from a
-GGUF file's metadata (slow, about 40 s for a 49k vocabulary) and kept in a cache folder after the first time."""
+GGUF file's metadata (slow: docs/models.md) and kept in a cache folder after the first time."""
 
 from __future__ import annotations
 

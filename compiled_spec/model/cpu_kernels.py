@@ -1,9 +1,9 @@
-"""The C++ attention kernel of compiled CPU decode passes (decode_attention.cpp): built once per machine, then loaded.
-The same build holds the drafts' float16-weight linear (half_weight_linear.cpp) and the weight-only quantized linear
-(packed_linear.cpp).
+"""The C++ CPU kernels, built once per machine and then loaded: decode attention for compiled CPU decode passes
+(decode_attention.cpp), the drafts' float16-weight linear (half_weight_linear.cpp) and the weight-only quantized
+linear (packed_linear.cpp).
 
-It reads only the cache positions a row may attend to, where SDPA and grouped_attention read the whole cache
-(max_seq_len rows) and mask most of it away, and it shares each key and value row among the query heads of its
+Decode attention reads only the cache positions a row may attend to, where SDPA and grouped_attention read the whole
+cache (max_seq_len rows) and mask most of it away, and it shares each key and value row among the query heads of its
 kv head. torch.ops.compiled_spec_cpu.decode_attention exists once load() has returned True.
 """
 
@@ -115,7 +115,7 @@ def expected() -> bool:
 
 @functools.cache
 def load() -> bool:
-    """Builds the kernels for this CPU's vector ISA (the first time on a machine, in about 10-20 s on 2 cores;
+    """Builds the kernels for this CPU's vector ISA (the first time on a machine, seconds: docs/cpu-performance.md;
     later processes load the built library) and registers them. Where they cannot be built, warns once and returns
     False: compiled CPU passes then attend with grouped_attention and SDPA, and float16 draft weights are widened
     to the activations' dtype in the graph."""

@@ -87,8 +87,9 @@ def grouped_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     """SDPA for q [B, T, heads, D] over keys, values [B, S, kv_heads, D] where attend [B, 1, T, S], written as
     products and sums, which inductor compiles into loops over the cache without copying it per query head.
 
-    In eager this materializes a [B, T, S, heads, D] product; compiled, it replaced SDPA's CPU kernel for a few
-    query rows, which spent about 6x the time of reading the cache (docs/cpu-performance.md).
+    In eager this materializes a [B, T, S, heads, D] product; compiled, it takes the place of SDPA's CPU kernel for a
+    few query rows, where SDPA reads and masks the whole cache (docs/cpu-performance.md, "Attention in compiled
+    decode passes").
     """
     batch, length, heads, dim = q.shape
     kv_heads = keys.shape[2]

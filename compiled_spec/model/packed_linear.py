@@ -7,10 +7,10 @@ Two layouts cover GGUF's Q4_0, Q4_1, Q4_K, Q8_0 and Q6_K (loading/quantized_weig
          block is 16 bytes, byte l holding value l low and l + 16 high.
   8-bit: int8 values [N, K], scales [N, K/G] with G 16 or 32; w = scale * q.
 Scales and mins are float16 where that holds them exactly, else float32.
-A CPU float32 pass multiplies with the C++ kernel (packed_linear.cpp, built with decode_attention.cpp), in eager and in
-compiled graphs alike: it is a registered op with a fake implementation, so `full`'s AOTInductor packages call it
-and keep the packed bytes as their constants. Elsewhere (CUDA, other dtypes, no kernel) the weight is widened in the
-graph. The embedding widens only the rows it looks up.
+A CPU float32 pass multiplies with the C++ kernel (packed_linear.cpp, built with the other CPU kernels by
+cpu_kernels.py), in eager and in compiled graphs alike: it is a registered op with a fake implementation, so
+`full`'s AOTInductor packages call it and keep the packed bytes as their constants. Elsewhere (CUDA, other dtypes,
+no kernel) the weight is widened in the graph. The embedding widens only the rows it looks up.
 """
 
 from __future__ import annotations

@@ -15,8 +15,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..params import RequestOutput
 from ..engine.engine import Engine, Request
+from ..params import RequestOutput
 from .metrics import ServerMetrics
 
 log = logging.getLogger("compiled_spec.server")

@@ -1,8 +1,8 @@
 """DecodeState: the one home of decode state.
 
 Every value that can change between steps lives in one of these persistent tensors. The compiled
-step reads them and mutates them in place; the runtime writes a slot's row only when it admits or
-frees a request, between steps. Slot i is batch row i: active requests occupy slots 0..B-1.
+step reads them and mutates them in place; the engine (engine/engine.py) writes a slot's row only when it
+admits or frees a request, between steps. Slot i is batch row i: active requests occupy slots 0..B-1.
 """
 
 from __future__ import annotations
@@ -184,6 +184,6 @@ def _with_tensors(holder, tensors: list[torch.Tensor], at: int):
 
 
 def move_slot(state: DecodeState, source: int, target: int) -> None:
-    """Copies every per-slot row from `source` to `target` (the runtime keeps active slots contiguous)."""
+    """Copies every per-slot row from `source` to `target` (the engine keeps active slots contiguous)."""
     for tensor in state.tensors():
         tensor[target] = tensor[source]

@@ -256,6 +256,34 @@ def _write_leading(buffer: torch.Tensor, rows: torch.Tensor, value: torch.Tensor
     buffer.index_put_((rows[:, None], columns[None, :]), value.to(buffer.dtype))
 
 
+def _write_chain(state: DecodeState, rows: torch.Tensor, chain: tuple, keep: torch.Tensor | None = None) -> None:
+    """Writes what _draft_chain made (drafts, their probabilities, the carried hidden states, a tree's leaves; None:
+    not made) into the first columns of rows; lanes where keep [B] is False (done lanes of a step) keep theirs."""
+    buffers = (state.draft_tokens, state.draft_probs, state.carry_hidden, state.draft_leaves)
+    for buffer, new in zip(buffers, chain):
+        if new is None:
+            continue
+        if keep is not None:
+            lanes = keep.view(-1, *[1] * (new.dim() - 1))
+            new = torch.where(lanes, new, buffer[: new.shape[0], : new.shape[1]])
+        _write_leading(buffer, rows, new)
+
+
+def _write_results(state: DecodeState, rows: torch.Tensor, *, pending, seq_lens, generated, done, tokens, emitted,
+                   accepted, verified, on_leaf) -> None:
+    """Writes a pass's outcome for rows: the state it leaves and the step_* fields the host reads back (tokens
+    [B, n] padded to the state's width)."""
+    _write_rows(state.pending_tokens, rows, pending)
+    _write_rows(state.seq_lens, rows, seq_lens)
+    _write_rows(state.generated, rows, generated)
+    _write_rows(state.done, rows, done)
+    _write_rows(state.step_tokens, rows, F.pad(tokens, (0, state.step_tokens.shape[1] - tokens.shape[1])))
+    _write_rows(state.step_emitted, rows, emitted)
+    _write_rows(state.step_accepted, rows, accepted)
+    _write_rows(state.step_verified, rows, verified)
+    _write_rows(state.step_on_leaf, rows, on_leaf)
+
+
 def speculative_step(model: CausalLM, state: DecodeState, constants: StepConstants, batch_size: int, k: int,
                      tree: bool = False) -> None:
     """One step for slots 0..batch_size-1 that verifies the drafts each slot holds (at most k; tree: with the token
@@ -330,29 +358,16 @@ def speculative_step(model: CausalLM, state: DecodeState, constants: StepConstan
             k=k,
             sparse=True,
         )
-        keep = active[:, None]
-        _write_leading(state.draft_tokens, rows, torch.where(keep, new_drafts, drafts))
-        old_probs = state.draft_probs[:batch_size, :k]
-        _write_leading(state.draft_probs, rows, torch.where(keep[:, :, None], new_probs, old_probs))
-        if new_carry is not None:
-            old_carry = state.carry_hidden[:batch_size, : k - 1]
-            _write_leading(state.carry_hidden, rows, torch.where(keep[:, :, None], new_carry, old_carry))
-        if new_leaves is not None:
-            old_leaves = state.draft_leaves[:batch_size, :k]
-            _write_leading(state.draft_leaves, rows, torch.where(keep[:, :, None], new_leaves, old_leaves))
+        _write_chain(state, rows, (new_drafts, new_probs, new_carry, new_leaves), keep=active)
     if slots > 0:
         counts = state.draft_counts[:batch_size]
         _write_rows(state.draft_counts, rows, torch.where(active, torch.full_like(counts, k), counts))
-
-    _write_rows(state.pending_tokens, rows, torch.where(active, next_token, state.pending_tokens[:batch_size]))
-    _write_rows(state.seq_lens, rows, new_seq_lens)
-    _write_rows(state.generated, rows, state.generated[:batch_size] + count)
-    _write_rows(state.done, rows, state.done[:batch_size] | (active & finished))
-    _write_rows(state.step_tokens, rows, F.pad(emitted_tokens, (0, slots - k)))
-    _write_rows(state.step_emitted, rows, count)
-    _write_rows(state.step_accepted, rows, torch.where(active, accepted, 0))
-    _write_rows(state.step_verified, rows, torch.where(active, verified, 0) if slots > 0 else torch.zeros_like(count))
-    _write_rows(state.step_on_leaf, rows, on_leaf & active if nodes else torch.zeros_like(active))
+    _write_results(state, rows, pending=torch.where(active, next_token, state.pending_tokens[:batch_size]),
+                   seq_lens=new_seq_lens, generated=state.generated[:batch_size] + count,
+                   done=state.done[:batch_size] | (active & finished), tokens=emitted_tokens, emitted=count,
+                   accepted=torch.where(active, accepted, 0),
+                   verified=torch.where(active, verified, 0) if slots > 0 else torch.zeros_like(count),
+                   on_leaf=on_leaf & active if nodes else torch.zeros_like(active))
 
 
 def prefill(
@@ -405,22 +420,9 @@ def prefill(
             k=k,
             attended=width,
         )
-        _write_leading(state.draft_tokens, slot, drafts)
-        _write_leading(state.draft_probs, slot, draft_probs)
-        if carry is not None:
-            _write_leading(state.carry_hidden, slot, carry)
-        if leaves is not None:
-            _write_leading(state.draft_leaves, slot, leaves)
+        _write_chain(state, slot, (drafts, draft_probs, carry, leaves))
     if slots > 0:
         _write_rows(state.draft_counts, slot, torch.full_like(prompt_len, k))
-
-    _write_rows(state.pending_tokens, slot, first_token)
-    _write_rows(state.seq_lens, slot, new_seq_len)
-    _write_rows(state.generated, slot, count)
-    _write_rows(state.done, slot, finished)
-    step_tokens = F.pad(first_token[:, None], (0, state.step_tokens.shape[1] - 1))
-    _write_rows(state.step_tokens, slot, step_tokens)
-    _write_rows(state.step_emitted, slot, count)
-    _write_rows(state.step_accepted, slot, torch.zeros_like(count))
-    _write_rows(state.step_verified, slot, torch.zeros_like(count))
-    _write_rows(state.step_on_leaf, slot, torch.zeros_like(finished))
+    _write_results(state, slot, pending=first_token, seq_lens=new_seq_len, generated=count, done=finished,
+                   tokens=first_token[:, None], emitted=count, accepted=torch.zeros_like(count),
+                   verified=torch.zeros_like(count), on_leaf=torch.zeros_like(finished))

@@ -27,8 +27,9 @@ def scaled_config(config: dict, text_scale: int) -> dict:
     the config's code prompts, text_scale - 1 times as many line-end prompts as its fresh rounds draw
     (corpus.extra_code_prompts). The config's own prompts stay as they are. The def-line prompts are not scaled:
     the training modules have 12,103 def lines and the shipped config draws 10,240 of them (scaling each fresh
-    round's line-end draws instead left its last round 3 def lines short, since a line-end draw can end on a def
-    line). Chat keeps its prompts: the shipped config has all 9,912 there are."""
+    round's line-end draws instead would leave the last round 3 def lines short, since a line-end draw can end on a
+    def line: docs/mtp-training.md, "The data"). Chat keeps its prompts: the shipped config has all 9,912 there
+    are."""
     corpus = config["corpus"]
     if "prose" in corpus["prompts"]:
         corpus["prompts"] = {**corpus["prompts"], "prose": corpus["prompts"]["prose"] * text_scale}

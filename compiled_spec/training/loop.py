@@ -40,8 +40,8 @@ class Task:
 
 def keep_freed_memory() -> None:
     """Let glibc keep large freed blocks for reuse. By default it returns every block over 32 MB (an MTP step's
-    logits are 268 MB) to the system and the next step faults it back in page by page: 75k page faults a second,
-    and train-mtp ran 2x slower on a 2-core VM. Nothing to do where the C library has no mallopt (not glibc)."""
+    logits are 268 MB) to the system and the next step faults it back in page by page (docs/mtp-training.md, "The
+    recipe", has the cost). Nothing to do where the C library has no mallopt (not glibc)."""
     try:
         mallopt = ctypes.CDLL("libc.so.6").mallopt
     except (OSError, AttributeError):

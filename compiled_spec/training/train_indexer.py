@@ -26,12 +26,12 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from ..api import DEFAULT_MODEL, LLM
+from ..hisparse.indexer import LightningIndexer, attention_modules
 from ..loading.checkpoint import MAIN_KEY, mtp_target, safetensors_files
 from ..model.rope import apply_rotary
 from ..speculative.state import DecodeState
 from ..speculative.step import StepConstants, make_layout
 from .corpus import fetch_texts_dir, read_works
-from ..hisparse.indexer import LightningIndexer, attention_modules
 
 WORK_DIR = Path(".train_work")
 HELD_OUT = ("macbeth", "twelfth_night", "julius_caesar")

@@ -158,7 +158,8 @@ def decoding_rows(ids: torch.Tensor, greedy: torch.Tensor, num_depths: int) -> l
     """Per depth m, [B, T - m]: whether row i's inputs are ones decoding can show. Depth m at row i reads the
     tokens at i+1..i+m, and while drafts are accepted each of those is the base model's own greedy choice, so
     the row counts only where ids[i + j] == greedy[i + j - 1] for every j in 1..m. A prompt's rows (text people
-    wrote, a chat template) mostly fail that (57-70% of them here); the base model's continuation always passes."""
+    wrote, a chat template) mostly fail that (docs/mtp-training.md, "The recipe"); the base model's continuation
+    always passes."""
     chosen = ids[:, 1:] == greedy[:, :-1]
     rows, length = [chosen], ids.shape[1]
     for m in range(2, num_depths + 1):
