@@ -20,7 +20,7 @@ import httpx
 import openai
 import pytest
 
-from benchmarks.live_server import free_port, running_server
+from compiled_spec.benchmarks.live_server import free_port, running_server
 from serving import serve_command, write_chat_model
 
 REPO = Path(__file__).resolve().parents[1]
@@ -48,7 +48,7 @@ def encode(self, text, *args, **kwargs):
             time.sleep(0.02)
     return original(self, text, *args, **kwargs)
 PreTrainedTokenizerBase.encode = encode
-from cli import main
+from compiled_spec.cli import main
 sys.argv = ["compiled-spec", *sys.argv[2:]]
 main()
 """
@@ -277,7 +277,7 @@ def test_a_non_ascii_api_key_refuses_to_start(model_dir, how):
     if how == "environment":
         env["COMPILED_SPEC_API_KEY"] = key
     try:
-        result = subprocess.run([sys.executable, "-m", "cli", "serve", "--model", str(model_dir), "--port",
+        result = subprocess.run([sys.executable, "-m", "compiled_spec.cli", "serve", "--model", str(model_dir), "--port",
                                  str(free_port()), "--graph-mode", "eager", *args], capture_output=True, text=True,
                                 timeout=60, cwd=REPO, env=env)
     except subprocess.TimeoutExpired:
