@@ -25,7 +25,6 @@ from contextlib import nullcontext
 from pathlib import Path
 
 import torch
-from torch._inductor.compile_fx import compile_fx
 
 from ..config import GraphMode
 from ..model import cpu_kernels
@@ -95,6 +94,8 @@ def spec_backend(options: dict, manager: SpecPassManager):
     cpu_partitioned = options.get("graph_partition") and options.get("custom_should_partition_ops")
 
     def backend(gm: torch.fx.GraphModule, example_inputs):
+        from torch._inductor.compile_fx import compile_fx  # here: an eager start never pays for importing it
+
         partitions = cpu_partitioned and not any(
             isinstance(x, torch.Tensor) and x.device.type == "cuda" for x in example_inputs)
         with named_inputs(source_names(gm)), cpu_partitions.partitions_on_cpu() if partitions else nullcontext():

@@ -4,6 +4,7 @@ rates from one calibration request per kind of step (chain, tree)."""
 from __future__ import annotations
 
 import time
+
 from ..compiler.step_runner import StepRunner
 from ..params import RequestOutput, SamplingParams, SpecStats
 from ..speculative.state import DecodeState

@@ -1,4 +1,4 @@
-"""The model's tokenizer, through transformers.AutoTokenizer: the directory's when it ships one, or built from a
+"""The model's tokenizer, as transformers.AutoTokenizer makes it: the directory's when it ships one, or built from a
 GGUF file's metadata (slow: docs/models.md) and kept in a cache folder after the first time."""
 
 from __future__ import annotations
@@ -13,14 +13,32 @@ from .cache import cache_root
 from .gguf_checkpoint import is_gguf
 
 
-def gguf_tokenizer(path: Path):
+# The class AutoTokenizer makes for a tokenizer.json whose config names no model-specific class. Made directly, it
+# skips AutoTokenizer's import of every model's tokenizer mapping (about a second of a first generate's start).
+GENERIC_TOKENIZER_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
+
+
+def folder_tokenizer(folder: Path):
+    """AutoTokenizer.from_pretrained(folder), without AutoTokenizer where the folder's class is the generic one."""
+    config = folder / "tokenizer_config.json"
+    if (folder / "tokenizer.json").is_file() and config.is_file():
+        if json.loads(config.read_text()).get("tokenizer_class") in GENERIC_TOKENIZER_CLASSES:
+            from transformers import PreTrainedTokenizerFast
+
+            return PreTrainedTokenizerFast.from_pretrained(str(folder))
     from transformers import AutoTokenizer
 
+    return AutoTokenizer.from_pretrained(str(folder))
+
+
+def gguf_tokenizer(path: Path):
     stat = path.stat()
     key = hashlib.sha256(f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:24]
     cached = cache_root() / "tokenizers" / key
     if (cached / "tokenizer_config.json").is_file():
-        return AutoTokenizer.from_pretrained(str(cached))
+        return folder_tokenizer(cached)
+    from transformers import AutoTokenizer
+
     tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     cached.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(dir=cached.parent))
@@ -37,9 +55,7 @@ def load_tokenizer(path: Path):
         return gguf_tokenizer(path)
     if not (path / "tokenizer.json").is_file() and not (path / "tokenizer_config.json").is_file():
         return None
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(path))
+    return folder_tokenizer(path)
 
 
 def eos_token_ids(path: Path, config_eos: tuple[int, ...], tokenizer) -> tuple[int, ...]:
