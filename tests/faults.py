@@ -5,7 +5,10 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import fields
 
+import torch
+
 from compiled_spec.compiler.step_runner import StepRunner
+from compiled_spec.passes.graph_inputs import state_field
 from compiled_spec.speculative.state import DecodeState
 from compiled_spec.speculative.step import speculative_step
 
@@ -54,3 +57,19 @@ def step_without_draft_counts(model, state, constants, batch_size, k, tree=False
     scratch = DecodeState(**{f.name: getattr(state, f.name) for f in fields(state)})
     scratch.draft_counts = state.draft_counts.clone()
     speculative_step(model, scratch, constants, batch_size, k, tree)
+
+
+class ZeroedDraftTokens:
+    """A compiled graph whose drafts are all token 0 (a miscompiled draft write), with the probabilities of the drafts
+    it should have made: greedy lanes reject them (acceptance collapses), sampled lanes accept wrong tokens."""
+
+    name = "zeroed_draft_tokens"
+
+    def __call__(self, graph: torch.fx.Graph, context) -> list[str]:
+        for node in graph.nodes:
+            if node.target is torch.ops.aten.copy_.default and state_field(node.args[0]) == "draft_tokens":
+                with graph.inserting_before(node):
+                    zeroed = graph.call_function(torch.ops.aten.mul.Tensor, (node.args[1], 0))
+                node.args = (node.args[0], zeroed)
+                return []
+        return ["no draft_tokens write"]

@@ -5,7 +5,8 @@
 A file FAULT_DIR/step or FAULT_DIR/poll makes the next decode step or background-compile poll raise once (the file
 is removed when it fires); FAULT_DIR/die makes the next step raise SystemExit, which ends the engine thread (nothing
 catches it); FAULT_DIR/slow holds seconds each decode step sleeps first (so a test can act while a
-request is mid-generation).
+request is mid-generation). FAULT_DIR/zero_drafts, present at the start, gives the engine a step graph compiled in its
+graph mode with a pass that zeroes the drafts it writes (faults.ZeroedDraftTokens): what the graph canary must catch.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ def fires(fault_dir: Path, name: str) -> bool:
 
 
 def install(fault_dir: Path) -> None:
-    step, poll_background = Engine.step, GraphStartup.poll_background
+    step, poll_background, warm_up = Engine.step, GraphStartup.poll_background, GraphStartup.warm_up
 
     def faulty_step(self, *args, **kwargs):
         slow = fault_dir / "slow"
@@ -49,7 +50,18 @@ def install(fault_dir: Path) -> None:
             raise RuntimeError(f"{SECRET} (poll)")
         return poll_background(self, *args, **kwargs)
 
+    def faulty_graph_after_warm_up(self, *args, **kwargs):
+        warm_up(self, *args, **kwargs)
+        if (fault_dir / "zero_drafts").exists():
+            from compiled_spec.compiler.step_runner import StepRunner
+            from faults import ZeroedDraftTokens
+
+            engine = self.engine
+            engine.use_runner(StepRunner(engine.model, engine.state, engine.constants, engine.runner.mode,
+                                         engine.runner.step_drafts, passes=[ZeroedDraftTokens()]), initial=True)
+
     Engine.step, GraphStartup.poll_background = faulty_step, faulty_poll
+    GraphStartup.warm_up = faulty_graph_after_warm_up
 
 
 if __name__ == "__main__":

@@ -8,6 +8,8 @@ what the passes miss, and it compares the whole state, not the fields a fault is
 from __future__ import annotations
 
 import logging
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,7 +18,7 @@ from compiled_spec import LLM, CompiledSpecError, GraphMode, SamplingParams
 from compiled_spec.engine.canary import Divergence, GraphCanary, copy_state, first_difference
 from compiled_spec.compiler.step_runner import StepRunner
 from compiled_spec.speculative.step import Drafts
-from faults import PositionsInPythonRunner, prefilling_in_eager, step_without_draft_counts
+from faults import PositionsInPythonRunner, ZeroedDraftTokens, prefilling_in_eager, step_without_draft_counts
 from compiled_spec.passes.graph_inputs import state_field
 from test_auto_k import ScheduledChooser
 
@@ -133,6 +135,31 @@ def test_a_graph_computing_what_eager_does_not_is_caught(workload, caplog):
 
 
 @pytest.mark.slow
+def test_a_fault_in_a_full_package_is_caught_and_the_engine_falls_back_to_compile(workload, caplog):
+    """full, the default mode: its package compiled with a pass that zeroes the drafts the step writes (what a
+    miscompiled package could do). Without the canary, acceptance and output change; with it, the engine catches the
+    first step, falls back to compile, and tokens and accepted counts equal eager's."""
+    path, prompts, params = workload
+    eager = run(LLM(path, graph_mode="eager", **ENGINE), prompts, params)
+
+    def faulty_full(every: int) -> LLM:
+        llm = LLM(path, graph_mode="full", warm_up=False, verify_graphs_every=every, **ENGINE)
+        engine = llm.engine
+        engine.use_runner(prefilling_in_eager(StepRunner(llm.model, engine.state, engine.constants, GraphMode.FULL,
+                                                         engine.runner.step_drafts, passes=[ZeroedDraftTokens()])),
+                          initial=True)
+        return llm
+
+    unchecked = faulty_full(every=0)  # compiles the faulty package, which the checked engine loads
+    assert run(unchecked, prompts, params) != eager, "the fault must change what is accepted, or the output"
+    llm = faulty_full(every=1)
+    with caplog.at_level(logging.WARNING, logger="compiled_spec.canary"):
+        assert run(llm, prompts, params) == eager
+    divergence = check_fell_back(llm, 1, 1, GraphMode.COMPILE, caplog)
+    assert divergence.field == "draft_tokens"
+
+
+@pytest.mark.slow
 def test_a_step_that_skips_the_draft_count_write_is_caught(workload, caplog):
     path, prompts, params = workload
     every = 2
@@ -181,3 +208,37 @@ def test_divergences_are_counted_in_the_metrics():
     metrics = ServerMetrics("tiny", 2)
     metrics.graph_divergence.inc()
     assert 'compiled_spec:graph_divergence_total{model_name="tiny"} 1.0' in generate_latest(metrics.registry).decode()
+
+
+@pytest.mark.slow
+def test_the_servers_periodic_canary_catches_a_faulty_graph_counts_it_and_serves_eager_text_after(tmp_path):
+    """`compiled-spec serve` at its own canary rate (every 256th step at most, within its time budget) with a compile
+    graph that zeroes its drafts: the engine finds the divergence, /metrics counts it, /health says the engine fell
+    back, and greedy text after it equals eager's with drafts accepted again."""
+    import httpx
+    from compiled_spec.benchmarks.live_server import running_server
+    from serving import write_chat_model
+
+    model = write_chat_model(tmp_path / "model")
+    faults = tmp_path / "faults"
+    faults.mkdir()
+    (faults / "zero_drafts").touch()
+    request = dict(model="tiny", prompt="ROMEO:", max_tokens=64, temperature=0, ignore_eos=True)
+    eager = LLM(model, graph_mode="eager", num_speculative_tokens=2, max_batch_size=1, max_seq_len=256)
+    expected = eager.generate("ROMEO:", SamplingParams(max_tokens=64, ignore_eos=True))[0].text
+    command = [sys.executable, str(Path(__file__).parent / "serve_with_faults.py"), str(faults), "serve",
+               "--model", str(model), "--port", "{port}", "-k", "2", "--max-batch-size", "1", "--max-seq-len", "256",
+               "--graph-mode", "compile", "--served-model-name", "tiny", "--log-level", "warning"]
+    divergences = 'compiled_spec:graph_divergence_total{model_name="tiny"}'
+    with running_server(command, tmp_path / "server.log") as live:
+        for _ in range(12):  # 64 steps each while the drafts are zeroed: the check at step 256 comes in the 5th
+            response = httpx.post(live.base_url + "/v1/completions", json=request, timeout=300).json()
+            if live.metrics()[divergences] >= 1:
+                break
+        assert live.metrics()[divergences] == 1
+        assert httpx.get(live.base_url + "/health", timeout=30).json()["graph_mode"].startswith(
+            "eager (the graph canary fell back to it at step ")
+        response = httpx.post(live.base_url + "/v1/completions", json=request, timeout=300).json()
+        assert response["choices"][0]["text"] == expected
+        assert sum(response["usage"]["spec_decode"]["num_accepted_tokens_per_pos"]) > 0
+    assert "graph divergence at step" in (tmp_path / "server.log").read_text()

@@ -211,8 +211,11 @@ class GraphStartup:
 
     def graph_mode_run(self) -> str:
         """The graph mode(s) the steps so far ran in: "full", or for a tiered start "eager, then full from step N" or
-        "eager (full compiling in the background)"."""
+        "eager (full compiling in the background)", or after the canary fell back "compile (the graph canary fell back
+        to it at step N)"."""
         mode = self.engine.runner.mode.value
+        if self.engine.fallbacks:
+            return f"{mode} (the graph canary fell back to it at step {self.engine.switches[-1] + 1})"
         if self.engine.switches:
             return f"eager, then {mode} from step {self.engine.switches[0] + 1}"
         if self.background is not None:
