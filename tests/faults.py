@@ -59,17 +59,24 @@ def step_without_draft_counts(model, state, constants, batch_size, k, tree=False
     speculative_step(model, scratch, constants, batch_size, k, tree)
 
 
-class ZeroedDraftTokens:
-    """A compiled graph whose drafts are all token 0 (a miscompiled draft write), with the probabilities of the drafts
-    it should have made: greedy lanes reject them (acceptance collapses), sampled lanes accept wrong tokens."""
+class ScaledStateWrite:
+    """A compiled graph whose write of one decode-state field is multiplied by a factor (a miscompiled write):
+    draft_probs halved; draft_tokens times 0, all token 0, with the probabilities of the drafts it should have made
+    (greedy lanes reject them, so acceptance collapses; sampled lanes accept wrong tokens)."""
 
-    name = "zeroed_draft_tokens"
+    name = "scaled_state_write"
+
+    def __init__(self, field: str, factor: float):
+        self.field, self.factor = field, factor
+
+    def cache_key(self) -> str:
+        return f"{self.field} * {self.factor}"
 
     def __call__(self, graph: torch.fx.Graph, context) -> list[str]:
         for node in graph.nodes:
-            if node.target is torch.ops.aten.copy_.default and state_field(node.args[0]) == "draft_tokens":
+            if node.target is torch.ops.aten.copy_.default and state_field(node.args[0]) == self.field:
                 with graph.inserting_before(node):
-                    zeroed = graph.call_function(torch.ops.aten.mul.Tensor, (node.args[1], 0))
-                node.args = (node.args[0], zeroed)
+                    scaled = graph.call_function(torch.ops.aten.mul.Tensor, (node.args[1], self.factor))
+                node.args = (node.args[0], scaled)
                 return []
-        return ["no draft_tokens write"]
+        return [f"no {self.field} write"]

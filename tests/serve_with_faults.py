@@ -6,7 +6,7 @@ A file FAULT_DIR/step or FAULT_DIR/poll makes the next decode step or background
 is removed when it fires); FAULT_DIR/die makes the next step raise SystemExit, which ends the engine thread (nothing
 catches it); FAULT_DIR/slow holds seconds each decode step sleeps first (so a test can act while a
 request is mid-generation). FAULT_DIR/zero_drafts, present at the start, gives the engine a step graph compiled in its
-graph mode with a pass that zeroes the drafts it writes (faults.ZeroedDraftTokens): what the graph canary must catch.
+graph mode with a pass that zeroes the drafts it writes (faults.ScaledStateWrite("draft_tokens", 0)): what the graph canary must catch.
 """
 
 from __future__ import annotations
@@ -54,11 +54,11 @@ def install(fault_dir: Path) -> None:
         warm_up(self, *args, **kwargs)
         if (fault_dir / "zero_drafts").exists():
             from compiled_spec.compiler.step_runner import StepRunner
-            from faults import ZeroedDraftTokens
+            from faults import ScaledStateWrite
 
             engine = self.engine
             engine.use_runner(StepRunner(engine.model, engine.state, engine.constants, engine.runner.mode,
-                                         engine.runner.step_drafts, passes=[ZeroedDraftTokens()]), initial=True)
+                                         engine.runner.step_drafts, passes=[ScaledStateWrite("draft_tokens", 0)]), initial=True)
 
     Engine.step, GraphStartup.poll_background = faulty_step, faulty_poll
     GraphStartup.warm_up = faulty_graph_after_warm_up

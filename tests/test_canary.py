@@ -18,7 +18,7 @@ from compiled_spec import LLM, CompiledSpecError, GraphMode, SamplingParams
 from compiled_spec.engine.canary import Divergence, GraphCanary, copy_state, first_difference
 from compiled_spec.compiler.step_runner import StepRunner
 from compiled_spec.speculative.step import Drafts
-from faults import PositionsInPythonRunner, ZeroedDraftTokens, prefilling_in_eager, step_without_draft_counts
+from faults import PositionsInPythonRunner, ScaledStateWrite, prefilling_in_eager, step_without_draft_counts
 from compiled_spec.passes.graph_inputs import state_field
 from test_auto_k import ScheduledChooser
 
@@ -94,21 +94,6 @@ def test_a_budget_stretches_the_interval():
     assert unbudgeted.next_check == 8
 
 
-class HalvedDraftProbs:
-    """A compiled graph that computes something eager does not: the draft probabilities it writes are halved."""
-
-    name = "halved_draft_probs"
-
-    def __call__(self, graph: torch.fx.Graph, context) -> list[str]:
-        for node in graph.nodes:
-            if node.target is torch.ops.aten.copy_.default and state_field(node.args[0]) == "draft_probs":
-                with graph.inserting_before(node):
-                    halved = graph.call_function(torch.ops.aten.mul.Tensor, (node.args[1], 0.5))
-                node.args = (node.args[0], halved)
-                return []
-        return ["no draft_probs write"]
-
-
 def check_fell_back(llm: LLM, every: int, first_faulty_step: int, mode: GraphMode, caplog):
     divergences = llm.engine.canary.divergences
     assert len(divergences) == 1  # then the engine runs the safer mode, which the canary checks too
@@ -127,7 +112,7 @@ def test_a_graph_computing_what_eager_does_not_is_caught(workload, caplog):
     llm = LLM(path, graph_mode="compile", warm_up=False, verify_graphs_every=1, **ENGINE)
     engine = llm.engine
     engine.runner = prefilling_in_eager(StepRunner(llm.model, engine.state, engine.constants, GraphMode.COMPILE,
-                                                   engine.runner.step_drafts, passes=[HalvedDraftProbs()]))
+                                                   engine.runner.step_drafts, passes=[ScaledStateWrite("draft_probs", 0.5)]))
     with caplog.at_level(logging.WARNING, logger="compiled_spec.canary"):
         assert run(llm, prompts, params) == eager
     divergence = check_fell_back(llm, 1, 1, GraphMode.EAGER, caplog)
@@ -146,7 +131,7 @@ def test_a_fault_in_a_full_package_is_caught_and_the_engine_falls_back_to_compil
         llm = LLM(path, graph_mode="full", warm_up=False, verify_graphs_every=every, **ENGINE)
         engine = llm.engine
         engine.use_runner(prefilling_in_eager(StepRunner(llm.model, engine.state, engine.constants, GraphMode.FULL,
-                                                         engine.runner.step_drafts, passes=[ZeroedDraftTokens()])),
+                                                         engine.runner.step_drafts, passes=[ScaledStateWrite("draft_tokens", 0)])),
                           initial=True)
         return llm
 
