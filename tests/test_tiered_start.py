@@ -124,12 +124,11 @@ def test_a_failed_background_compile_warns_once_the_engine_keeps_serving_in_eage
     reference = decode(LLM(path, graph_mode="eager", **options), prompts)
     llm = LLM(path, graph_mode="full", background_compile=True, compile_workers=2, show_progress=False, warm_up=False,
               **options)
+    start = llm.engine.startup.options
     if fault == "model gone":
-        options = llm.engine.startup.options  # neither compile process can load the model
-        options.spec = dataclasses.replace(options.spec, model=tmp_path / "gone")
+        start.spec = dataclasses.replace(start.spec, model=tmp_path / "gone")  # neither compile process can load it
     else:
-        options = llm.engine.startup.options  # the child's engine keys its packages differently
-        options.spec = options.spec.with_config(max_seq_len=32)
+        start.spec = start.spec.with_config(max_seq_len=32)  # the child's engine keys its packages differently
     llm.engine.startup.warm_up(show_progress=False)
     with caplog.at_level(logging.WARNING):
         assert llm.engine.startup.poll_background(wait=True, timeout=300) == "failed"
