@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
 
 from compiled_spec.training.train_tokenizer import train_byte_level_bpe
@@ -32,5 +33,25 @@ def write_chat_model(path: Path) -> Path:
     return path
 
 
-def serve_command(model: Path, *args: str) -> list[str]:
-    return [sys.executable, "-m", "compiled_spec.cli", "serve", "--model", str(model), "--port", "{port}", *args]
+def serve_command(model: Path, *args: str, faults: Path | None = None) -> list[str]:
+    """`compiled-spec serve`; with `faults`, through tests/serve_with_faults.py, whose hooks (holds, faults, the
+    inbox record) that folder's files drive."""
+    program = [str(Path(__file__).with_name("serve_with_faults.py")), str(faults)] if faults else ["-m", "compiled_spec.cli"]
+    return [sys.executable, *program, "serve", "--model", str(model), "--port", "{port}", *args]
+
+
+def wait_for(condition, what: str, timeout_s: float = 300) -> None:
+    """Waits for something the server does (a file its test hooks write, a count in /metrics). The timeout only ends
+    a test whose event never comes; no assertion depends on how soon it comes."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: not within {timeout_s} s")
+        time.sleep(0.02)
+
+
+def inbox(faults: Path, kind: str) -> list[int]:
+    """The request indices of every "add" or "abort" the HTTP side has handed the engine thread so far."""
+    path = faults / "inbox"
+    lines = path.read_text().splitlines() if path.exists() else []
+    return [int(line.split()[1]) for line in lines if line.split()[0] == kind]

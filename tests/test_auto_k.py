@@ -17,7 +17,7 @@ from compiled_spec import LLM, SamplingParams
 from compiled_spec.params import RequestOutput, SpecStats
 from compiled_spec.config import GraphMode
 from compiled_spec.engine.draft_chooser import DraftLengthChooser, LaneOutcome
-from compiled_spec.compiler.step_runner import StepRunner, graphs_made
+from compiled_spec.compiler.step_runner import StepRunner
 from compiled_spec.engine.request import Request
 from compiled_spec.speculative.step import Drafts
 from faults import step_without_draft_counts
@@ -111,25 +111,6 @@ def test_switching_k_mid_request_keeps_greedy_output(plain_tokens, eager_switchi
     assert sum(s.steps_per_num_drafts.get(0, 0) for s in merged) > 0
     for stats in merged:
         assert all(a <= v for a, v in zip(stats.accepted_per_position, stats.verified_per_position))
-
-
-@pytest.mark.slow
-def test_compiled_auto_switches_without_recompiling(prompts, plain_tokens, eager_switching):
-    """Every (bucket, k) graph is made at warm-up; the same schedule then runs under fail_on_recompile and
-    accepts exactly what eager accepts."""
-    path, texts = prompts
-    llm = scheduled(LLM(path, graph_mode="compile", show_progress=False, **ENGINE))
-    after_warm_up = graphs_made(llm.engine.runner)
-    records = record_steps(llm)
-    runner, prefill_drafts = llm.engine.runner, []
-    prefill = runner.prefill
-    runner.prefill = lambda *args: prefill_drafts.append(args[3]) or prefill(*args)
-    with torch.compiler.set_stance("fail_on_recompile"):
-        outputs = llm.generate(texts, GREEDY)
-    assert graphs_made(llm.engine.runner) == after_warm_up
-    assert set(prefill_drafts) == set(range(K + 1))  # each request is admitted with the k of the step before
-    assert [o.token_ids for o in outputs] == plain_tokens
-    assert lane_counts(records) == lane_counts(eager_switching[1])
 
 
 def test_a_step_drafting_k_runs_depths_up_to_k_only(prompts):

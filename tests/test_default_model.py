@@ -47,7 +47,7 @@ def test_speculation_pays_off_on_held_out_prompts(engine):
     assert total.mean_accepted_length >= 2.0
 
 
-def test_readme_generate_command_runs_offline_on_the_embedded_model():
+def test_generate_in_eager_prints_text_and_the_stats_line():
     from click.testing import CliRunner
 
     from compiled_spec.cli import main

@@ -1,4 +1,6 @@
-"""Acceptance parity and zero recompiles: compile, piecewise and full against eager on one workload.
+"""full against eager on one workload: acceptance parity, zero recompiles, one package for every batch and every prompt
+width, packages a later engine loads, weights kept outside the packages. compile and piecewise (and full on more
+architectures, dtypes and weights) are compared with eager in test_parity_matrix.py.
 
 The workload has more requests than slots, of mixed prompt lengths, so requests are admitted while
 others decode and batches are padded to buckets. Prompts longer than the one prefill bucket (16) prefill
@@ -20,7 +22,8 @@ from torch._inductor.runtime.cache_dir_utils import cache_dir
 
 from compiled_spec import LLM, SamplingParams
 from compiled_spec.compiler import weight_store
-from compiled_spec.compiler.step_runner import PACKAGED_PREFILL_MIN_WIDTH, graphs_made
+from compiled_spec.compiler.step_runner import PACKAGED_PREFILL_MIN_WIDTH, StepRunner, graphs_made
+from compiled_spec.config import GraphMode
 from compiled_spec.compiler.aot_packages import PACKAGE_FOLDER
 
 K = 2
@@ -52,7 +55,7 @@ def eager_result(workload):
     return run_workload(LLM(path, graph_mode="eager", **ENGINE), prompts)
 
 
-@pytest.fixture(scope="session", params=["compile", "piecewise", "full"])
+@pytest.fixture(scope="session", params=["full"])
 def compiled_result(request, workload):
     path, prompts = workload
     graphs_before = counters["stats"]["unique_graphs"]
@@ -94,15 +97,13 @@ def test_acceptance_and_outputs_equal_eager(eager_result, compiled_result):
     assert compiled_result["eager_prefills"] == longer > 0
 
 
-def expected_graphs(mode: str) -> int:
-    """One graph per batch bucket and per prefill bucket; full on CPU: one step package for batches 1 to 4 and one
-    prefill package for every prompt width up to 16."""
-    return 2 if mode == "full" else len(ENGINE["batch_buckets"]) + len(ENGINE["prefill_buckets"])
+# full on CPU: one step package for batches 1 to 4 and one prefill package for every prompt width up to 16.
+FULL_PACKAGES = 2
 
 
 def test_zero_recompiles_after_warm_up(compiled_result):
     # Every graph made during warm-up.
-    assert compiled_result["warm_up_graphs"] == expected_graphs(compiled_result["mode"])
+    assert compiled_result["warm_up_graphs"] == FULL_PACKAGES
     assert compiled_result["workload_graphs"] == 0
     assert compiled_result["again"] == compiled_result["result"]
 
@@ -111,14 +112,16 @@ def test_full_mode_on_cpu_folds_the_weights_into_its_gemms(compiled_result):
     """Freezing must really freeze: with the weights as graph inputs every matmul stays an aten::mm call (what
     `full` did when Dynamo lifted them as inputs), with them folded max-autotune compiles C++ GEMM kernels."""
     engine = compiled_result["llm"].engine
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profiler:
-        engine.runner.step(ENGINE["batch_buckets"][0], engine.step_drafts()[0])
-    calls = {event.key: event.count for event in profiler.key_averages()}
-    matmuls = sum(calls.get(name, 0) for name in ("aten::mm", "aten::addmm", "aten::bmm", "aten::linear"))
-    if compiled_result["mode"] == "full":
-        assert matmuls == 0, calls
-    else:
-        assert matmuls > 0, calls  # the same step in the other modes: the check can see matmuls
+    eager = StepRunner(engine.model, engine.state, engine.constants, GraphMode.EAGER, engine.runner.step_drafts)
+
+    def matmuls(runner) -> int:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profiler:
+            runner.step(ENGINE["batch_buckets"][0], engine.step_drafts()[0])
+        calls = {event.key: event.count for event in profiler.key_averages()}
+        return sum(calls.get(name, 0) for name in ("aten::mm", "aten::addmm", "aten::bmm", "aten::linear"))
+
+    assert matmuls(engine.runner) == 0
+    assert matmuls(eager) > 0  # the same step in eager: the check can see matmuls
 
 
 def rerun_recording(compiled_result, prompts, method: str) -> list[tuple[tuple, int]]:
@@ -178,7 +181,7 @@ def test_a_second_full_engine_on_cpu_loads_every_bucket_instead_of_compiling(wor
     (here in the same process, normally a later one) loads every bucket and decodes the same."""
     path, prompts = workload
     compiled, loaded = compiled_result["llm"].engine.runner.packages()
-    assert len(compiled + loaded) == expected_graphs("full")
+    assert len(compiled + loaded) == FULL_PACKAGES
     llm = LLM(path, graph_mode="full", show_progress=False, **ENGINE)
     again_compiled, again_loaded = llm.engine.runner.packages()
     assert again_compiled == [] and sorted(again_loaded) == sorted(compiled + loaded)

@@ -15,7 +15,7 @@ import pytest
 from compiled_spec import LLM, CompiledSpecError, SamplingParams
 from compiled_spec.chat import chat_prompt
 from compiled_spec.benchmarks.live_server import running_server
-from serving import serve_command, write_chat_model
+from serving import inbox, serve_command, wait_for, write_chat_model
 
 K = 2
 ENGINE = dict(num_speculative_tokens=K, max_batch_size=4, max_seq_len=192)
@@ -33,11 +33,13 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(model_dir, tmp_path_factory):
+    """The server, with the test hooks of serve_with_faults.py in server.faults."""
     logs = tmp_path_factory.mktemp("serve_logs")
+    (logs / "faults").mkdir()
     command = serve_command(model_dir, *SERVER_ARGS, "--step-log", str(logs / "steps.jsonl"),
-                            "--served-model-name", "tiny")
+                            "--served-model-name", "tiny", faults=logs / "faults")
     with running_server(command, logs / "server.log", api_key=API_KEY) as live:
-        live.step_log = logs / "steps.jsonl"
+        live.step_log, live.faults = logs / "steps.jsonl", logs / "faults"
         yield live
 
 
@@ -119,9 +121,15 @@ def test_sixteen_concurrent_streams_join_running_batches_and_lose_nothing(server
     expected = offline.generate([prompt for prompt, _ in jobs],
                                 [greedy(max_tokens, ignore_eos=True) for _, max_tokens in jobs])
     steps_before = len(server.step_log.read_text().splitlines())
+    added_before = len(inbox(server.faults, "add"))
+    (server.faults / "hold").touch()  # the first step waits until all 16 have been handed to the engine
     with ThreadPoolExecutor(16) as pool:
-        results = list(pool.map(lambda job: stream_completion(client, job[0], job[1], extra_body={"ignore_eos": True}),
-                                jobs))
+        futures = [pool.submit(stream_completion, client, prompt, max_tokens, extra_body={"ignore_eos": True})
+                   for prompt, max_tokens in jobs]
+        wait_for(lambda: len(inbox(server.faults, "add")) == added_before + 16 and (server.faults / "held").exists(),
+                 "16 requests handed to an engine held at its first step")
+        (server.faults / "hold").unlink()
+        results = [future.result() for future in futures]
     for (text, finish_reason, usage), want, (_, max_tokens) in zip(results, expected, jobs):
         assert text == want.text
         assert usage["completion_tokens"] == len(want.token_ids) == max_tokens
@@ -148,19 +156,23 @@ def test_a_client_that_disconnects_frees_its_slot(server, offline):
         client, PROMPTS[4], 60, extra_body={"ignore_eos": True})))
     body = {"model": "tiny", "prompt": PROMPTS[5], "max_tokens": 180, "temperature": 0, "stream": True,
             "ignore_eos": True}
+    aborts_before = len(inbox(server.faults, "abort"))
+    (server.faults / "hold").touch()  # the request stays mid-generation until its hang-up reached the engine
     with httpx.stream("POST", server.base_url + "/v1/completions", json=body, timeout=60,
                       headers={"Authorization": f"Bearer {API_KEY}"}) as response:
         assert response.status_code == 200
         thread.start()
         lines = response.iter_lines()
-        assert next(lines).startswith("data: ")
+        assert next(lines).startswith("data: ")  # the prefill's token
+    wait_for(lambda: len(inbox(server.faults, "abort")) == aborts_before + 1, "the hang-up handed to the engine")
+    (server.faults / "hold").unlink()
     thread.join()
     server.wait_idle()
     after = server.metrics()
     assert after.get(abort_key, 0) == before.get(abort_key, 0) + 1
     generated = 'compiled_spec:generation_tokens_total{model_name="tiny"}'
-    # The aborted request stopped far short of its 180 tokens: the other made 60.
-    assert after[generated] - before[generated] < 60 + 120
+    # The aborted request made its prefill's token and at most one step's (the held one): the other made 60.
+    assert after[generated] - before[generated] <= 60 + 1 + (K + 1)
     want = offline.generate(PROMPTS[4], greedy(60, ignore_eos=True))[0]
     assert other["result"][0] == want.text
 
@@ -267,22 +279,28 @@ def test_a_tree_servers_step_counters_equal_the_responses_of_requests_batched_to
 
 
 def test_a_full_queue_gets_429_and_sigterm_finishes_what_runs(model_dir, tmp_path):
+    faults = tmp_path / "faults"
+    faults.mkdir()
     command = serve_command(model_dir, *SERVER_ARGS[:2], "--max-batch-size", "1", "--max-queue", "1",
-                            "--max-seq-len", "512", "--served-model-name", "tiny", "--log-level", "warning")
+                            "--max-seq-len", "512", "--served-model-name", "tiny", "--log-level", "warning",
+                            faults=faults)
     with running_server(command, tmp_path / "server.log") as live:
         client = live.client()
+        (faults / "hold").touch()  # the first request stays running until SIGTERM
         first = client.completions.create(model="tiny", prompt="ROMEO:", max_tokens=400, temperature=0, stream=True,
                                           extra_body={"ignore_eos": True})
         first_chunks = iter(first)
         next(first_chunks)  # the first request runs (the only slot) ...
         second = client.completions.create(model="tiny", prompt="JULIET:", max_tokens=400, temperature=0,
                                            stream=True, extra_body={"ignore_eos": True})
+        wait_for(lambda: len(inbox(faults, "add")) == 2, "the second request handed to the engine")
         with pytest.raises(openai.RateLimitError) as caught:  # ... the second waits, the third finds the queue full
             client.completions.create(model="tiny", prompt="O Romeo", max_tokens=4)
         assert caught.value.response.headers["retry-after"] == "1"
         assert caught.value.body["code"] == "queue_full"
 
         live.process.send_signal(signal.SIGTERM)
+        (faults / "hold").unlink()
         finish_reasons = [chunk.choices[0].finish_reason for chunk in first_chunks if chunk.choices]
         second_reasons = [chunk.choices[0].finish_reason for chunk in second if chunk.choices]
         assert finish_reasons[-1] == "length" and second_reasons[-1] == "length"
@@ -298,13 +316,17 @@ def test_chat_without_a_template_is_a_clear_error(offline):
 
 
 def test_the_serve_benchmark_runs_its_levels_without_errors(model_dir, tmp_path):
-    from compiled_spec.benchmarks.serve import main
+    from compiled_spec.benchmarks.serve import main, rss_leaks
 
-    main(["--model", str(model_dir), "-k", "2", "--graph-mode", "eager", "--concurrency", "1,3", "--duration", "1",
+    main(["--model", str(model_dir), "-k", "2", "--graph-mode", "eager", "--concurrency", "1,3,2", "--duration", "2",
           "--max-tokens", "8", "--max-batch-size", "2", "--max-seq-len", "64", "--out", str(tmp_path)])
     results = json.loads((tmp_path / "serve.json").read_text())
     ours, llama_cpp = results["servers"]
-    assert [level["concurrency"] for level in ours["levels"]] == [1, 3]
+    assert [level["concurrency"] for level in ours["levels"]] == [1, 3, 2]
+    # RSS stays flat after the first level (main would have exited 1), and the same check fires where it must not.
+    assert ours["rss_growth_mib_per_level"] <= 5 and rss_leaks(results, 5) == []
+    assert rss_leaks(results, ours["rss_growth_mib_per_level"] - 0.01)
+    assert "MiB per level after the first" in (tmp_path / "serve.md").read_text()
     for level in ours["levels"]:
         assert level["errors"] == 0 and level["requests"] > 0
         assert level["output_tokens"] == 8 * level["requests"]

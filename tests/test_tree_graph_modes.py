@@ -1,5 +1,6 @@
-"""Token trees under graph capture: compile, piecewise (forced graph partitions on CPU) and full equal eager in tokens
-and in every step's accepted path, with no recompile, also with HiSparse; greedy output equals plain decoding's.
+"""Token trees: greedy output equals plain decoding's, also with HiSparse, and with HiSparse full equals eager in tokens
+and in every step's accepted path, with no recompile. Without HiSparse the tree runs in every graph mode in
+test_parity_matrix.py.
 
 The workload of test_graph_modes.py (more requests than slots, mixed prompt lengths, prompts past the prefill
 bucket) with the tree (2, 2). The tokens, accepted count and leaf flag of each step fix the path it took (a chain
@@ -40,20 +41,6 @@ def leaf_ends(result) -> int:
 def eager_result(workload):
     path, prompts = workload
     return run_tree_workload(LLM(path, graph_mode="eager", draft_tree=TREE, **ENGINE), prompts)
-
-
-@pytest.mark.parametrize("mode", ["compile", "piecewise", "full"])
-def test_tree_steps_equal_eager_in_every_mode_without_recompiles(workload, eager_result, mode):
-    path, prompts = workload
-    llm = LLM(path, graph_mode=mode, draft_tree=TREE, warm_up=False, **ENGINE)
-    if mode != "full":  # the step alone: full compiles the tree's prefill (it writes draft_leaves) as well
-        prefilling_in_eager(llm.engine.runner)
-    llm.engine.startup.warm_up(show_progress=False)
-    warm_up_graphs = graphs_made(llm.engine.runner)
-    with torch.compiler.set_stance("fail_on_recompile"):
-        result = run_tree_workload(llm, prompts)
-    assert result == eager_result
-    assert warm_up_graphs > 0 and graphs_made(llm.engine.runner) == warm_up_graphs
 
 
 def test_greedy_tree_output_equals_plain_decoding_and_the_leaves_are_used(workload, eager_result):

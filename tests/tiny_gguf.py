@@ -10,8 +10,10 @@ import numpy as np
 import torch
 import transformers
 from gguf import GGMLQuantizationType, GGUFWriter, quants
+from safetensors.torch import save_file
 
 from compiled_spec.training.train_tokenizer import train_byte_level_bpe
+from tiny_checkpoints import build_mtp_layers, mimic_main_model, mtp_state_dict
 
 LAYER_NAMES = {
     "input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
@@ -85,20 +87,28 @@ def quantize(values: np.ndarray, tensor_type: str) -> np.ndarray:
 
 def write_gguf(directory: Path, architecture: str = "llama", tensor_type: str = "F32", seed: int = 0,
                tie_word_embeddings: bool = False, head_count: int | None | str = "model",
-               hidden_size: int = 64) -> tuple[Path, torch.nn.Module]:
+               hidden_size: int = 64, num_hidden_layers: int = 2,
+               mtp_noise: float | None = None) -> tuple[Path, torch.nn.Module]:
     """Writes directory/model.gguf; returns its path and the transformers model it came from. head_count: what the
     metadata says ("model": the model's; None: nothing). A K-quant type needs hidden_size 256 (its blocks hold 256
-    values); matrices whose rows are not whole blocks stay F32."""
+    values); matrices whose rows are not whole blocks stay F32. mtp_noise: also writes directory/mtp, two MTP
+    modules that mimic the model (tiny_checkpoints.mimic_main_model; needs num_hidden_layers=1), for `mtp=`."""
     tokenizer = train_byte_level_bpe([TEXT], 300)
     config_cls, model_cls = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
                              "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
                              "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM)}[architecture]
     config = config_cls(vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=2 * hidden_size,
-                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=hidden_size // 4, max_position_embeddings=256,
+                        num_hidden_layers=num_hidden_layers, num_attention_heads=4, num_key_value_heads=2, head_dim=hidden_size // 4, max_position_embeddings=256,
                         rms_norm_eps=1e-6, initializer_range=0.1, tie_word_embeddings=tie_word_embeddings,
                         eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.eos_token_id)
     torch.manual_seed(seed)
     model = model_cls(config).eval()
+    if mtp_noise is not None:
+        layers = build_mtp_layers(model, 2, seed + 1)
+        mimic_main_model(model, layers, mtp_noise, seed + 2)
+        (directory / "mtp").mkdir()
+        save_file({key: tensor.contiguous() for key, tensor in mtp_state_dict(layers, "mtp-indexed", 1).items()},
+                  str(directory / "mtp" / "mtp.safetensors"))
     path = directory / "model.gguf"
     writer = GGUFWriter(str(path), architecture)
     writer.add_name(f"tiny-{architecture}")

@@ -6,7 +6,10 @@ Each client sends greedy completions of the sweep's prompts back to back (EOS ig
 until the level's time is up; requests in flight then finish. Reported per level: output tokens/s over
 the level's wall time, time to first token and inter-token latency (between streamed chunks; a
 speculative step can stream several tokens in one chunk) p50/p99, per-request decode rate, acceptance
-per draft position (from the responses' usage), and errors. With --llama-cpp-gguf FILE, llama.cpp's
+per draft position (from the responses' usage), errors, and the server's resident memory after warm-up and after
+each level. Memory must stay flat: fitted over the levels after the first (which allocates the batch's working
+set), RSS may grow at most --max-rss-growth MiB per level, or the run exits 1 naming the growth. With
+--llama-cpp-gguf FILE, llama.cpp's
 OpenAI-compatible server (`python -m llama_cpp.server`, when llama-cpp-python is installed) runs the same
 load beside it; it is skipped with the reason otherwise. Writes OUT/serve.json, OUT/serve.md and the servers'
 logs in OUT/logs/.
@@ -145,6 +148,8 @@ def markdown(results: dict) -> str:
     lines = ["| server | clients | requests | errors | output tokens/s | TTFT p50 / p99 ms | ITL p50 / p99 ms | "
              "decode tokens/s per request (p50) | acceptance by position | tokens/step | RSS MiB after warm-up / at end |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
+    growth = [f"{server['name']}: RSS {server['rss_growth_mib_per_level']:+.2f} MiB per level after the first"
+              for server in results["servers"] if server.get("rss_growth_mib_per_level") is not None]
     for server in results["servers"]:
         if server.get("skipped"):
             lines.append(f"| {server['name']} | skipped: {server['skipped']} | | | | | | | | | |")
@@ -160,7 +165,7 @@ def markdown(results: dict) -> str:
                      f"{tokens_per_step:.2f}" if tokens_per_step else "–",
                      f"{server['rss_mib_after_warm_up']:.0f} / {level['rss_mib_at_end']:.0f}"]
             lines.append("| " + " | ".join(map(str, cells)) + " |")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + [""] + growth) + "\n"
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -175,6 +180,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-seq-len", type=int, default=160)
     parser.add_argument("--llama-cpp-gguf", default=None, help="GGUF of the same model for llama.cpp's server.")
     parser.add_argument("--threads", type=int, default=2, help="CPU threads of each server.")
+    parser.add_argument("--max-rss-growth", type=float, default=5.0,
+                        help="MiB per level that compiled-spec's RSS may grow after the first level (a leak check).")
     parser.add_argument("--out", default="bench_out/serve")
     args = parser.parse_args(argv)
     levels = [int(part) for part in args.concurrency.split(",") if part]
@@ -203,11 +210,32 @@ def main(argv: list[str] | None = None) -> None:
                 server["levels"].append(level)
                 print(f"{name}: {concurrency} clients: {level['output_tokens_per_s']:.1f} tokens/s, "
                       f"{level['requests']} requests, {level['errors']} errors", flush=True)
+            server["rss_growth_mib_per_level"] = rss_growth_per_level(server)
             results["servers"].append(server)
     (out / "serve.json").write_text(json.dumps(results, indent=1))
     table = markdown(results)
     (out / "serve.md").write_text(table)
     print(table, end="")
+    leaks = rss_leaks(results, args.max_rss_growth)
+    if leaks:
+        sys.exit("\n".join(leaks))
+
+
+def rss_leaks(results: dict, max_growth_mib: float) -> list[str]:
+    """One line for each compiled-spec server whose RSS grew more than max_growth_mib per level after the first."""
+    return [f"{server['name']}: RSS grew {growth:.1f} MiB per level after the first (allowed: at most "
+            f"{max_growth_mib:g}); at the end of each level: {[round(l['rss_mib_at_end'], 1) for l in server['levels']]}"
+            for server in results["servers"] if "compiled-spec" in server["name"]
+            and (growth := server.get("rss_growth_mib_per_level")) is not None and growth > max_growth_mib]
+
+
+def rss_growth_per_level(server: dict) -> float | None:
+    """The least-squares slope of the RSS at the end of each level, over the levels after the first; None with fewer
+    than two such levels."""
+    after_first = [level["rss_mib_at_end"] for level in server["levels"][1:]]
+    if len(after_first) < 2:
+        return None
+    return statistics.linear_regression(range(len(after_first)), after_first).slope
 
 
 if __name__ == "__main__":

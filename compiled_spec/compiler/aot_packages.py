@@ -195,9 +195,10 @@ class AheadOfTimeCompiled:
         path.parent.mkdir(parents=True, exist_ok=True)
         partial = path.with_name(f"{path.stem}.{os.getpid()}.partial.pt2")  # AOTInductor insists on .pt2
         options = {**self.options, **CONSTANTS_OUTSIDE, "post_grad_custom_post_pass": self.manager}
+        module = exported.module(check_guards=False)
+        _batched_weights_on_their_own_storage(module)
         with named_inputs(names), weight_store.left_out_of_the_library() as folded:
-            files = torch._inductor.aot_compile(exported.module(check_guards=False), *exported.example_inputs,
-                                                options=options)
+            files = torch._inductor.aot_compile(module, *exported.example_inputs, options=options)
         manifest = weight_store.store(self.folder, folded)
         with tempfile.TemporaryDirectory() as directory:
             # The loader needs the shared library and its metadata; the C++ sources would only add bytes.
@@ -219,6 +220,26 @@ class AheadOfTimeCompiled:
                     f"arg{index}_dim{self.dynamic.dim}", min=self.dynamic.low, max=self.dynamic.high,
                 )} if dynamic else None)
         return (tuple(shapes),)  # the program takes *tensors
+
+
+def _batched_weights_on_their_own_storage(module: torch.nn.Module) -> None:
+    """Gives each 3-D weight (an MoE's stacked experts) of the module to compile a copy at storage offset 0.
+
+    The loader keeps the weights as views into one block (loading/huge_pages.py). Inductor's C++ BMM template
+    (max-autotune CPP, the stacked experts' einsums) pre-packs a constant weight from W.as_strided(size, stride,
+    offset) with the view's offset counted from W while as_strided counts from W's storage, so it packs the bytes
+    at the start of the block, other weights (cpp_gemm_template.py, normalize_shapes, torch 2.13): GLM-4.5's `full`
+    then differed from eager at the first token (tests/test_parity_matrix.py). 2-D weights were tested and are not
+    affected. The copy lives while the package compiles; its digest (weight_store.digest) is the weight's, so the
+    package's constant is bound back to the model's own memory at load."""
+    with torch.no_grad():
+        for submodule in module.modules():
+            for tensors in (submodule._parameters, submodule._buffers):
+                for name, tensor in tensors.items():
+                    if tensor is not None and tensor.dim() >= 3 and tensor.storage_offset() != 0:
+                        copy = tensor.detach().clone()
+                        tensors[name] = (torch.nn.Parameter(copy, requires_grad=False)
+                                         if isinstance(tensor, torch.nn.Parameter) else copy)
 
 
 def stripped(library: str, directory: Path) -> str:

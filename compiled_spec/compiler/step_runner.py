@@ -54,9 +54,14 @@ PACKAGED_STEP_MIN_LARGEST_BATCH = 3
 REALIZE_OPCOUNT_THRESHOLD = 16
 
 
-def inductor_options(mode: GraphMode, device: torch.device) -> dict:
-    """Inductor's options for a graph mode (the patches torch_patches installs come on top, in every mode)."""
-    return {**_mode_options(mode, device), "realize_opcount_threshold": REALIZE_OPCOUNT_THRESHOLD}
+def inductor_options(mode: GraphMode, device: torch.device, dtype: torch.dtype = torch.float32) -> dict:
+    """Inductor's options for a graph mode (the patches torch_patches installs come on top, in every mode).
+
+    In 16-bit dtypes inductor keeps fused intermediates in float32 where eager rounds each op's result, and greedy
+    tokens then differ from eager's; emulate_precision_casts rounds where eager does (docs/graph-modes.md, "In
+    bfloat16 and float16")."""
+    return {**_mode_options(mode, device), "realize_opcount_threshold": REALIZE_OPCOUNT_THRESHOLD,
+            **({"emulate_precision_casts": True} if dtype in (torch.bfloat16, torch.float16) else {})}
 
 
 def _mode_options(mode: GraphMode, device: torch.device) -> dict:
@@ -166,7 +171,7 @@ class StepRunner:
         if device.type == "cuda":
             for tensor in graph_state.tensors() + [constants.rope_cos, constants.rope_sin, constants.eos_ids]:
                 torch._dynamo.mark_static_address(tensor)
-        options = inductor_options(mode, device)
+        options = inductor_options(mode, device, constants.rope_cos.dtype)  # the rope tables have the engine's dtype
         if device.type == "cpu" and not options.get("freezing"):
             cpu_kernels.load()  # full on CPU builds it where it loads or compiles a package (aot_packages.py)
         model_key = model_digest(model, constants) if options.get("freezing") else None

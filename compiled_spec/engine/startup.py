@@ -107,16 +107,17 @@ class GraphStartup:
                                 "in eager. Remove %s to try again", failure, failed_file(paths))
             else:
                 self._compile_in_processes(graphs, paths, show_progress)
-                self._compile_graphs(show_progress)
+                packaged = all(path is not None and path.exists() for path in paths)
+                self._compile_graphs(show_progress, "loading buckets" if packaged else "compiling buckets")
         if engine.chooser:
             time_steps(engine.runner, engine.state, engine.chooser, engine.batch_buckets)
             if self.options.calibration_prompt:
                 engine.calibrate(self.options.calibration_prompt)
         self.warmup_seconds = time.perf_counter() - start
 
-    def _compile_graphs(self, show_progress: bool) -> None:
+    def _compile_graphs(self, show_progress: bool, description: str) -> None:
         runner = self.engine.runner
-        bar = tqdm(self.warm_up_graphs(), desc="compiling buckets", unit="graph", disable=not show_progress)
+        bar = tqdm(self.warm_up_graphs(), desc=description, unit="graph", disable=not show_progress)
         for kind, size, drafts in bar:
             label = f" {drafts}" if self.engine.chooser else ""
             covered = runner.step_batches if kind == "step" else runner.prefill_widths

@@ -47,7 +47,7 @@ class CausalLM(nn.Module):
         tiers: list | None = None,
     ) -> torch.Tensor:
         """token_ids [B, T] -> last hidden states after the final norm, [B, T, hidden]."""
-        x = self.embed_tokens(token_ids)
+        x = self.embed(token_ids)
         for index, (layer, key_cache, value_cache) in enumerate(zip(self.layers, key_caches, value_caches)):
             x = layer(x, layout, key_cache, value_cache, tiers[index] if tiers is not None else None)
         return self.norm(x)
@@ -89,4 +89,8 @@ class CausalLM(nn.Module):
     ) -> torch.Tensor:
         """Runs the module for draft depth `depth` (1-based); depths past the last module reuse it."""
         module = self.mtp[min(depth, len(self.mtp)) - 1]
-        return module(self.embed_tokens(token_ids), previous_hidden, layout, key_cache, value_cache, tiers)
+        return module(self.embed(token_ids), previous_hidden, layout, key_cache, value_cache, tiers)
+
+    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """The token embeddings in the model's dtype (a packed table widens its rows to float32)."""
+        return self.embed_tokens(token_ids).to(self.norm.weight.dtype)
