@@ -318,11 +318,11 @@ def test_chat_without_a_template_is_a_clear_error(offline):
 def test_the_serve_benchmark_runs_its_levels_without_errors(model_dir, tmp_path):
     from compiled_spec.benchmarks.serve import main, rss_leaks
 
-    main(["--model", str(model_dir), "-k", "2", "--graph-mode", "eager", "--concurrency", "1,3,2", "--duration", "2",
+    main(["--model", str(model_dir), "-k", "2", "--graph-mode", "eager", "--concurrency", "3,3,3", "--duration", "2",
           "--max-tokens", "8", "--max-batch-size", "2", "--max-seq-len", "64", "--out", str(tmp_path)])
     results = json.loads((tmp_path / "serve.json").read_text())
     ours, llama_cpp = results["servers"]
-    assert [level["concurrency"] for level in ours["levels"]] == [1, 3, 2]
+    assert [level["concurrency"] for level in ours["levels"]] == [3, 3, 3]
     # RSS stays flat after the first level (main would have exited 1), and the same check fires where it must not.
     assert ours["rss_growth_mib_per_level"] <= 5 and rss_leaks(results, 5) == []
     assert rss_leaks(results, ours["rss_growth_mib_per_level"] - 0.01)

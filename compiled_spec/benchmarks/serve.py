@@ -7,9 +7,9 @@ until the level's time is up; requests in flight then finish. Reported per level
 the level's wall time, time to first token and inter-token latency (between streamed chunks; a
 speculative step can stream several tokens in one chunk) p50/p99, per-request decode rate, acceptance
 per draft position (from the responses' usage), errors, and the server's resident memory after warm-up and after
-each level. Memory must stay flat: fitted over the levels after the first (which allocates the batch's working
-set), RSS may grow at most --max-rss-growth MiB per level, or the run exits 1 naming the growth. With
---llama-cpp-gguf FILE, llama.cpp's
+each level. Memory must stay flat: fitted over the levels after the first (which allocates the working set), RSS
+may grow at most --max-rss-growth MiB per level, or the run exits 1 naming the growth. A level of more clients holds
+more at once, so repeat one level for the leak check (--concurrency 8,8,8). With --llama-cpp-gguf FILE, llama.cpp's
 OpenAI-compatible server (`python -m llama_cpp.server`, when llama-cpp-python is installed) runs the same
 load beside it; it is skipped with the reason otherwise. Writes OUT/serve.json, OUT/serve.md and the servers'
 logs in OUT/logs/.
