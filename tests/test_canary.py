@@ -8,8 +8,6 @@ what the passes miss, and it compares the whole state, not the fields a fault is
 from __future__ import annotations
 
 import logging
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -202,7 +200,7 @@ def test_the_servers_periodic_canary_catches_a_faulty_graph_counts_it_and_serves
     back, and greedy text after it equals eager's with drafts accepted again."""
     import httpx
     from compiled_spec.benchmarks.live_server import running_server
-    from serving import write_chat_model
+    from serving import serve_command, write_chat_model
 
     model = write_chat_model(tmp_path / "model")
     faults = tmp_path / "faults"
@@ -211,9 +209,8 @@ def test_the_servers_periodic_canary_catches_a_faulty_graph_counts_it_and_serves
     request = dict(model="tiny", prompt="ROMEO:", max_tokens=64, temperature=0, ignore_eos=True)
     eager = LLM(model, graph_mode="eager", num_speculative_tokens=2, max_batch_size=1, max_seq_len=256)
     expected = eager.generate("ROMEO:", SamplingParams(max_tokens=64, ignore_eos=True))[0].text
-    command = [sys.executable, str(Path(__file__).parent / "serve_with_faults.py"), str(faults), "serve",
-               "--model", str(model), "--port", "{port}", "-k", "2", "--max-batch-size", "1", "--max-seq-len", "256",
-               "--graph-mode", "compile", "--served-model-name", "tiny", "--log-level", "warning"]
+    command = serve_command(model, "-k", "2", "--max-batch-size", "1", "--max-seq-len", "256", "--graph-mode",
+                            "compile", "--served-model-name", "tiny", "--log-level", "warning", faults=faults)
     divergences = 'compiled_spec:graph_divergence_total{model_name="tiny"}'
     with running_server(command, tmp_path / "server.log") as live:
         for _ in range(12):  # 64 steps each while the drafts are zeroed: the check at step 256 comes in the 5th

@@ -49,13 +49,7 @@ def measure_llama_cpp(spec: dict) -> dict:
                 n_batch=512, verbose=False)
 
     def generate(prompt_ids: list[int]) -> list[int]:
-        tokens = []
-        for token in llm.generate(prompt_ids, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0,
-                                  reset=True):
-            tokens.append(token)
-            if len(tokens) == max_tokens:
-                break
-        return tokens
+        return greedy_tokens(llm, prompt_ids, max_tokens)
 
     warm = time.perf_counter()
     generate(spec["prompt_ids"][0][:4])
@@ -73,3 +67,13 @@ def measure_llama_cpp(spec: dict) -> dict:
     record.update(tokens_per_s=generated / elapsed, generated_tokens=generated, requests=len(outputs),
                   elapsed_s=elapsed, output_digests=[digest(tokens) for tokens in outputs])
     return record
+
+
+def greedy_tokens(llm, prompt_ids: list[int], max_tokens: int) -> list[int]:
+    """llama.cpp's greedy continuation of prompt_ids (a llama_cpp.Llama), EOS ignored: exactly max_tokens tokens."""
+    tokens = []
+    for token in llm.generate(prompt_ids, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0, reset=True):
+        tokens.append(token)
+        if len(tokens) == max_tokens:
+            break
+    return tokens

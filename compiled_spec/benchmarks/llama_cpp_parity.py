@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 
 from .environment import describe
+from .llama_cpp_anchor import greedy_tokens
 
 HELD_OUT = Path(__file__).with_name("prompts") / "smollm2_held_out.json"
 
@@ -33,15 +34,7 @@ def llama_cpp_greedy(path: Path, prompts: list[list[int]], max_tokens: int, thre
 
     llm = Llama(model_path=str(path), n_ctx=max(map(len, prompts)) + max_tokens + 8, n_threads=threads,
                 n_threads_batch=threads, verbose=False)
-    outputs = []
-    for prompt in prompts:
-        tokens = []
-        for token in llm.generate(prompt, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0, reset=True):
-            tokens.append(token)
-            if len(tokens) == max_tokens:
-                break
-        outputs.append(tokens)
-    return outputs
+    return [greedy_tokens(llm, prompt, max_tokens) for prompt in prompts]
 
 
 def main(argv: list[str] | None = None) -> None:
