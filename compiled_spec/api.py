@@ -54,10 +54,11 @@ class LLM:
         dequantize: bool = False,
         quantize: str | None = None,
         draft_tree: "str | tuple[int, ...] | None" = None,
+        drafter: str | None = None,
     ):
         """num_speculative_tokens: drafts per step (k), or "auto": before each step, the k in
         0..max_speculative_tokens with the most expected tokens per second, from step times measured at warm-up
-        and the running acceptance. Default: 0 for a model without MTP modules, else 3 (smollm2-135m with the
+        and the running acceptance. Default: 3 (with MTP modules or n-gram drafts; smollm2-135m with the
         modules shipped for it: 2, its fastest fixed k in the benchmark). mtp: a directory of MTP modules for the
         base model (compiled-spec train-mtp writes one); a named model uses the modules shipped for it.
         draft_vocab_size: drafts sample over the modules' most frequent tokens (default: a named model's own with
@@ -82,7 +83,10 @@ class LLM:
         draft_tree: a token tree, one width per draft depth ("2,2,1" or (2, 2, 1)): at each depth the main model
         verifies that many of the draft module's top candidates, the first continuing the chain and the others as
         leaves (speculative/tree.py). Its depth is k (default k: the tree's depth); with "auto", each step chooses the
-        tree or a chain of 0..max_speculative_tokens drafts."""
+        tree or a chain of 0..max_speculative_tokens drafts.
+        drafter: what proposes the drafts. "mtp": the MTP modules; "ngram": the request's own tokens (prompt lookup,
+        speculative/ngram.py), which needs no trained weights and pays where the output repeats the prompt or
+        itself. Default: "mtp" for a model with MTP modules, else "ngram"."""
         self.path = resolve_model(model) or DEFAULT_MODEL
         mtp = mtp if mtp is not None else shipped_mtp_modules(self.path)
         self.mtp_path = None if mtp is None else Path(mtp)
@@ -100,6 +104,7 @@ class LLM:
             hisparse=hisparse,
             verify_graphs_every=verify_graphs_every,
             draft_tree=draft_tree,
+            drafter=drafter,
         )
         if draft_vocab_size is None:
             draft_vocab_size = default_draft_vocab_size(self.path, self.mtp_path)
@@ -111,7 +116,8 @@ class LLM:
         self.model_config = self.model.config
         if num_speculative_tokens is None and draft_tree is None:  # with a tree, validate makes k its depth
             self.config.num_speculative_tokens = default_num_speculative_tokens(
-                self.path, self.mtp_path, self.model_config.num_mtp_modules)
+                self.path, self.mtp_path, self.model_config.num_mtp_modules,
+                self.config.resolve_drafter(self.model_config))
         self.config.validate(self.model_config)
         self.spec.attach_indexers(self.model)
         self.tokenizer, self.eos_ids = self.spec.load_tokenizer(self.model)
@@ -227,6 +233,11 @@ class LLM:
     def make_request(self, index: int, prompt: str | list[int], params: SamplingParams) -> Request:
         """A checked request for the engine (a CompiledSpecError names what is wrong with the prompt)."""
         prompt_ids = self._check_prompt(prompt)
+        k = params.num_speculative_tokens
+        if isinstance(k, int) and k > self.draft_slots:
+            raise CompiledSpecError(f"num_speculative_tokens={k} is out of range for this engine; allowed "
+                                    f"0..{self.draft_slots} (its most drafts per step) or 'auto'",
+                                    param="num_speculative_tokens")
         seed = params.seed if params.seed is not None else self.config.seed * 1_000_003 + next(self._requests_made)
         output = RequestOutput(prompt_token_ids=prompt_ids, stats=SpecStats(self.draft_slots))
         return Request(index, prompt_ids, params, seed, output)
@@ -238,7 +249,7 @@ class LLM:
         # One slot as long as the text, dense attention, eager, and a draft depth for mtp_logits.
         config = dataclasses.replace(self.config, num_speculative_tokens=max(1, self.draft_slots), max_batch_size=1,
                                      max_seq_len=len(ids) + 1, graph_mode=GraphMode.EAGER, hisparse=None,
-                                     draft_tree=None)
+                                     draft_tree=None, drafter="mtp")
         state = allocate_state(self.model, config)
         constants = step_constants(self.model, config, state, eos_ids=())
         tokens = torch.tensor([ids], device=device)

@@ -16,7 +16,7 @@ import click
 from click.exceptions import NoArgsIsHelpError
 
 from .config import (DEFAULT_MAX_BATCH_SIZE, DEFAULT_MAX_SEQ_LEN, DEFAULT_MAX_SPECULATIVE_TOKENS,
-                     DEFAULT_NUM_SPECULATIVE_TOKENS, MAX_SPECULATIVE_TOKENS, GraphMode)
+                     DEFAULT_NUM_SPECULATIVE_TOKENS, DRAFTERS, MAX_SPECULATIVE_TOKENS, GraphMode)
 
 GRAPH_MODES = tuple(mode.value for mode in GraphMode)
 # Mirror training.mtp_corpus (DOMAINS) and loading.checkpoint (QUANTIZE_TYPES) without importing torch; a test keeps
@@ -169,12 +169,18 @@ def engine_options(command):
         *draft_module_options()[1:],
         *weight_options(),
         click.option("-k", "--num-speculative-tokens", "num_speculative_tokens", type=DraftCount(), default=None,
-                     help=f"Tokens drafted per step by the MTP module(s), 0..{MAX_SPECULATIVE_TOKENS}; "
+                     help=f"Tokens drafted per step (by the --drafter), 0..{MAX_SPECULATIVE_TOKENS}; "
                           "0 turns speculation off; auto chooses k before each step, 0..--max-speculative-tokens, "
                           "for the most expected tokens per second (from step times measured at start-up and the "
                           f"running acceptance).  [default: {DEFAULT_NUM_SPECULATIVE_TOKENS}; 2 for smollm2-135m "
-                          "with its shipped modules, its fastest fixed k; with --draft-tree, the tree's depth; 0 for "
-                          "a model without MTP modules]"),
+                          "with its shipped modules, its fastest fixed k; with --draft-tree, the tree's depth]"),
+        click.option("--drafter", "drafter", type=click.Choice(DRAFTERS), default=None,
+                     help="What drafts. mtp: the model's MTP modules (trained heads; pay on most text). ngram: "
+                          "prompt lookup, the request's own earlier tokens (prompt and output) propose what followed "
+                          "the latest match of its last 1-3 tokens; needs no trained weights and pays where the "
+                          "output repeats its context (editing, extraction, summaries that quote, code refactors). "
+                          "Either way the output is unchanged.  [default: mtp for a model with MTP modules, else "
+                          "ngram]"),
         click.option("--max-speculative-tokens", "max_speculative_tokens", type=int,
                      default=DEFAULT_MAX_SPECULATIVE_TOKENS, show_default=True,
                      help="With -k auto: the largest k it may choose."),
@@ -325,7 +331,7 @@ def generate(prompts, prompt_ids, temperature, top_p, top_k, max_tokens, stop, i
 
     summary = cli_format.Summary(llm.num_speculative_tokens, llm.engine.startup.graph_mode_run(), outputs, elapsed,
                                  max_drafts=llm.draft_slots, weight_format=llm.weight_format,
-                                 draft_tree=llm.config.draft_tree)
+                                 draft_tree=llm.config.draft_tree, drafter=llm.config.drafter)
     for index, (prompt, output) in enumerate(zip(all_prompts, outputs)):
         if as_json:
             click.echo(cli_format.to_json(cli_format.request_record(index, prompt, output)))
@@ -545,7 +551,7 @@ def name_list(allowed: tuple[str, ...], none_ok: bool = False):
 
 
 # Mirror compiled_spec.benchmarks.anchors.ANCHORS and DEFAULT_ANCHORS; a test keeps them equal.
-ANCHORS = ("hf-eager", "hf-static", "hf-mtp", "llama-cpp", "llama-cpp-f32")
+ANCHORS = ("hf-eager", "hf-static", "hf-mtp", "llama-cpp", "llama-cpp-f32", "llama-cpp-lookup")
 DEFAULT_ANCHORS = ("hf-eager", "hf-static", "hf-mtp")
 
 
@@ -564,7 +570,8 @@ DEFAULT_ANCHORS = ("hf-eager", "hf-static", "hf-mtp")
               callback=name_list(ANCHORS, none_ok=True),
               help="Baselines run at each batch size, or none: transformers (hf-eager, hf-static, hf-mtp) and, "
                    "for a GGUF model with llama-cpp-python installed, llama.cpp on the file as it is (llama-cpp) "
-                   "and dequantized to F32 (llama-cpp-f32; batch size 1).")
+                   "and dequantized to F32 (llama-cpp-f32), and with prompt lookup decoding at its best "
+                   "num_pred_tokens (llama-cpp-lookup; batch size 1).")
 @click.option("--out", type=click.Path(file_okay=False), default="bench_out", show_default=True,
               help="Where results.json, results.md, the plots and the cell logs go.")
 @click.option("--max-tokens", "max_tokens", type=click.IntRange(1), default=128, show_default=True,
@@ -601,11 +608,14 @@ DEFAULT_ANCHORS = ("hf-eager", "hf-static", "hf-mtp")
               callback=lambda ctx, param, values: [tree_option(ctx, param, value) for value in values],
               help="A token tree (see 'generate --help'); repeatable. Each adds cells at its depth, and with -k auto "
                    "an auto cell that chooses among chains and the tree.")
+@click.option("--drafter", "drafters", multiple=True, type=click.Choice(DRAFTERS),
+              help="What drafts (see 'generate --help'); repeatable: each cell with k > 0 runs once per drafter. "
+                   "Default: the engine's own (mtp for a model with MTP modules, else ngram).")
 @click.option("--hisparse", is_flag=True, help="Every engine cell decodes with HiSparse sparse attention.")
 @hisparse_options
 @options_of_engine_cells(draft_module_options() + weight_options())
 def bench(model, graph_modes, ks, batch_sizes, anchors, out, max_tokens, prompts_file, max_seq_len, buckets,
-          repeats, rounds, threads, cache_dir, cell_timeout, draft_vocab_sizes, draft_trees, hisparse, top_k_tokens,
+          repeats, rounds, threads, cache_dir, cell_timeout, draft_vocab_sizes, draft_trees, drafters, hisparse, top_k_tokens,
           hot_rows, cold_dtype, cold_pool, mtp, draft_dtype, dequantize, quantize):
     """Measure tokens/s, step latency, acceptance per draft position, warm-up time and peak memory for
     every graph mode x k x batch size, beside transformers on the same model and prompts (greedy).
@@ -621,6 +631,8 @@ def bench(model, graph_modes, ks, batch_sizes, anchors, out, max_tokens, prompts
       compiled-spec bench --model ./tiny --graph-modes eager -k 2 --batch-sizes 1,2 --anchors none
       compiled-spec bench --hisparse --top-k-tokens 32 --hot-rows 64 --graph-modes eager,full
       compiled-spec bench --model smollm2-135m --graph-modes full -k 2,3 --draft-tree 2,1,1 --draft-tree 3,2
+      compiled-spec bench --model smollm2-135m --graph-modes full -k 0,3 --drafter mtp --drafter ngram \\
+          --prompts-file benchmarks/prompts/copy_heavy.json
     """
     from compiled_spec.benchmarks.sweep import SweepOptions, run_sweep
     from compiled_spec.benchmarks.workload import read_prompts
@@ -661,7 +673,7 @@ def bench(model, graph_modes, ks, batch_sizes, anchors, out, max_tokens, prompts
         buckets=buckets, repeats=repeats, rounds=rounds, threads=threads, cache_dir=Path(cache_dir) if cache_dir else None,
         cell_timeout_s=cell_timeout, command=spelled_out(click.get_current_context()),
         hisparse=dataclasses.asdict(sparse) if sparse else None, draft_vocab_sizes=draft_vocab_sizes,
-        draft_trees=draft_trees,
+        draft_trees=draft_trees, drafters=list(drafters) or [None],
         mtp=Path(mtp) if mtp else None, draft_dtype=draft_dtype, dequantize=dequantize, quantize=quantize,
     )
     try:

@@ -95,11 +95,12 @@ class Summary:
 
     def __init__(self, num_speculative_tokens: int | str, graph_mode: str, outputs: list[RequestOutput],
                  elapsed_s: float, max_drafts: int | None = None, weight_format: str | None = None,
-                 draft_tree: tuple[int, ...] | None = None):
+                 draft_tree: tuple[int, ...] | None = None, drafter: str | None = None):
         """num_speculative_tokens: k or "auto"; max_drafts: the most drafts a step verifies (default: k);
         weight_format: how the main model's matrices are held (LLM.weight_format); draft_tree: the engine's token
-        tree (widths per depth), if any."""
+        tree (widths per depth), if any; drafter: what drafted ("mtp", "ngram")."""
         self.num_speculative_tokens = num_speculative_tokens
+        self.drafter = drafter
         self.draft_tree = draft_tree
         self.weight_format = weight_format
         self.graph_mode = graph_mode
@@ -125,7 +126,8 @@ class Summary:
             rates = " ".join(f"{rate:.0%}" if verified else "-" for rate, verified in
                              zip(self.stats.acceptance_rate_per_position, self.stats.verified_per_position))
             tree = f" (tree {','.join(map(str, self.draft_tree))})" if self.draft_tree else ""
-            parts.append(f"k={k}{tree}, acceptance by draft position: {rates}")
+            drafter = f" {self.drafter} drafts" if self.drafter not in (None, "mtp") else ""  # MTP: the usual
+            parts.append(f"k={k}{drafter}{tree}, acceptance by draft position: {rates}")
             if k == "auto":
                 parts.append(f"chosen: {num_drafts_used(self.stats)}")
             if self.stats.tree_steps:
@@ -150,6 +152,7 @@ class Summary:
             "tokens_per_s": self.tokens_per_s,
             "graph_mode": self.graph_mode,
             "num_speculative_tokens": self.num_speculative_tokens,
+            "drafter": self.drafter,
             "draft_tree": list(self.draft_tree) if self.draft_tree else None,
             "stats": stats_record(self.stats),
             "weight_format": self.weight_format,

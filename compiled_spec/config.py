@@ -169,13 +169,14 @@ class ModelConfig:
 
 
 MAX_SPECULATIVE_TOKENS = 8
-# k for a model with MTP modules when none is asked for (a named model with its shipped modules has its own).
+# k when none is asked for, with MTP modules (a named model with its shipped modules has its own) or n-gram drafts.
 DEFAULT_NUM_SPECULATIVE_TOKENS = 3
 # The largest k auto may choose unless told otherwise.
 DEFAULT_MAX_SPECULATIVE_TOKENS = 3
 DEFAULT_MAX_BATCH_SIZE = 8
 DEFAULT_MAX_SEQ_LEN = 512
 AUTO = "auto"
+DRAFTERS = ("mtp", "ngram")  # speculative/ngram.py; docs/drafters.md
 DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -254,6 +255,7 @@ class EngineConfig:
     hisparse: "HiSparseConfig | None" = None
     verify_graphs_every: int = 0  # the graph canary checks every N-th step against eager; 0: off
     draft_tree: tuple[int, ...] | None = None  # widths per depth (speculative/tree.py); the k=len step verifies it
+    drafter: str | None = None  # "mtp" or "ngram"; None: set by resolve_drafter, MTP where the model has modules
 
     def torch_dtype(self):
         import torch
@@ -296,7 +298,17 @@ class EngineConfig:
                                     f"{self.num_speculative_tokens!r}; leave k out or give k={depth} or 'auto'",
                                     param="draft_tree")
 
+    def resolve_drafter(self, model_config: ModelConfig) -> str:
+        """The drafter asked for, checked, or by default "mtp" for a model with MTP modules and else "ngram"."""
+        if self.drafter is None:
+            self.drafter = "mtp" if model_config.num_mtp_modules else "ngram"
+        if self.drafter not in DRAFTERS:
+            raise CompiledSpecError(f"drafter={self.drafter!r} is not a drafter; choose one of {', '.join(DRAFTERS)}",
+                                    param="drafter")
+        return self.drafter
+
     def validate(self, model_config: ModelConfig) -> None:
+        self.resolve_drafter(model_config)
         if self.draft_tree is not None:
             self._parse_tree()
         every = self.verify_graphs_every
@@ -314,11 +326,14 @@ class EngineConfig:
             raise CompiledSpecError(
                 f"num_speculative_tokens={k!r} is out of range; allowed 0..{MAX_SPECULATIVE_TOKENS}, or 'auto'"
             )
-        if k > 0 and model_config.num_mtp_modules == 0:
+        if k > 0 and self.drafter == "mtp" and model_config.num_mtp_modules == 0:
             raise CompiledSpecError(
-                f"num_speculative_tokens={self.num_speculative_tokens} needs MTP weights, but this checkpoint has no "
-                "MTP modules; use num_speculative_tokens=0"
+                f"num_speculative_tokens={self.num_speculative_tokens} with drafter='mtp' needs MTP weights, but this "
+                "checkpoint has no MTP modules; use drafter='ngram' or num_speculative_tokens=0", param="drafter"
             )
+        if self.drafter == "ngram" and self.draft_tree is not None:
+            raise CompiledSpecError(f"draft_tree={describe_tree(self.draft_tree)!r} needs drafter='mtp': n-gram "
+                                    "drafts are one chain", param="draft_tree")
         self.graph_mode = (GraphMode.default_for(self.device) if self.graph_mode is None
                            else GraphMode.parse(self.graph_mode))
         if not isinstance(self.max_batch_size, int) or not 1 <= self.max_batch_size <= 256:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from .config import MAX_SPECULATIVE_TOKENS
 from .errors import CompiledSpecError
 
 # Per-request caps. The engine keeps counts in int64 state; stop strings are matched against the text after every
@@ -26,6 +27,9 @@ class SamplingParams:
     stop: list[str] | None = None
     seed: int | None = None
     ignore_eos: bool = False
+    # Drafts a step may verify for this request: 0..the engine's K, or None / "auto": as many as the engine's step
+    # drafts (its k, or with -k auto the k it chooses). Lossless either way: it changes speed, never the distribution.
+    num_speculative_tokens: int | str | None = None
 
     def __post_init__(self):
         if (not isinstance(self.temperature, (int, float)) or not math.isfinite(self.temperature)
@@ -43,6 +47,11 @@ class SamplingParams:
                                     f"{MAX_TOKENS_LIMIT}", param="max_tokens")
         if self.seed is not None and (not isinstance(self.seed, int) or not 0 <= self.seed < 2**63):
             raise CompiledSpecError(f"seed={self.seed!r} is out of range; allowed 0..2**63-1", param="seed")
+        k = self.num_speculative_tokens
+        if k is not None and k != "auto" and (isinstance(k, bool) or not isinstance(k, int)
+                                              or not 0 <= k <= MAX_SPECULATIVE_TOKENS):
+            raise CompiledSpecError(f"num_speculative_tokens={k!r} is invalid; allowed: an integer in "
+                                    f"0..{MAX_SPECULATIVE_TOKENS} or 'auto'", param="num_speculative_tokens")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         if isinstance(self.stop, (list, tuple)) and len(self.stop) > MAX_STOP_STRINGS:

@@ -83,6 +83,8 @@ def test_speculative_tokens_out_of_range(tiny_checkpoint, k):
                             r"1\.\.2147483647"),
         (dict(stop=["a"] * 17), r"stop has 17 strings; allowed: at most 16"),
         (dict(stop=["a" * 257]), r"stop has a string of 257 characters; allowed: at most 256 characters each"),
+        (dict(num_speculative_tokens=9), r"num_speculative_tokens=9 is invalid; allowed: an integer in 0\.\.8 or 'auto'"),
+        (dict(num_speculative_tokens="fast"), r"num_speculative_tokens='fast' is invalid"),
     ],
 )
 def test_bad_sampling_params(kwargs, message):
@@ -149,13 +151,6 @@ def test_missing_weight(tiny_checkpoint, tmp_path):
     save_file(state, str(path / "model.safetensors"))
     with pytest.raises(CompiledSpecError, match=r"missing weights: layers\.1\.self_attn\.q_proj\.weight"):
         LLM(path)
-
-
-def test_speculation_needs_mtp_weights(tiny_checkpoint):
-    path = tiny_checkpoint("llama_no_mtp").path
-    with pytest.raises(CompiledSpecError, match=r"num_speculative_tokens=2 needs MTP weights, but this checkpoint has no MTP modules"):
-        LLM(path, num_speculative_tokens=2)
-    LLM(path, num_speculative_tokens=0, max_seq_len=16)  # fine without speculation
 
 
 def test_mixed_mtp_layouts(tiny_checkpoint, tmp_path):

@@ -64,11 +64,11 @@ def test_a_named_models_own_default_k_comes_only_with_its_shipped_modules(tmp_pa
     assert shipped == SHIPPED_MTP_ROOT / "smollm2-135m" and MODELS["smollm2-135m"].num_speculative_tokens == 2
     # Its own k made unlike the default of 3 for any other modules, so that the two are told apart.
     monkeypatch.setitem(MODELS, "smollm2-135m", dataclasses.replace(MODELS["smollm2-135m"], num_speculative_tokens=1))
-    assert default_num_speculative_tokens(gguf, shipped, 2) == 1
-    assert default_num_speculative_tokens(gguf, Path(os.path.relpath(shipped)), 2) == 1
-    assert default_num_speculative_tokens(gguf, tmp_path / "mtp", 2) == 3  # modules of one's own
-    assert default_num_speculative_tokens(gguf, shipped, 0) == 0
-    assert default_num_speculative_tokens(tmp_path / "other.gguf", None, 2) == 3
+    assert default_num_speculative_tokens(gguf, shipped, 2, "mtp") == 1
+    assert default_num_speculative_tokens(gguf, Path(os.path.relpath(shipped)), 2, "mtp") == 1
+    assert default_num_speculative_tokens(gguf, tmp_path / "mtp", 2, "mtp") == 3  # modules of one's own
+    assert default_num_speculative_tokens(gguf, shipped, 0, "mtp") == 0
+    assert default_num_speculative_tokens(tmp_path / "other.gguf", None, 2, "mtp") == 3
 
 
 def test_a_named_models_own_draft_vocabulary_comes_only_with_its_shipped_modules(tmp_path):

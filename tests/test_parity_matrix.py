@@ -1,12 +1,14 @@
 """The parity matrix: compile, piecewise (CPU partitions on) and full against eager, across architectures (Llama,
 Qwen2, Qwen3, GLM-4.5 MoE), dtypes (float32, bfloat16), weights (float safetensors; a packed Q4_1 GGUF with MTP
-modules attached from a directory) and drafting (a k=2 chain, k = auto, the token tree (2, 2)), on batches of more
-requests than slots, of mixed prompt lengths (one past the prefill bucket), mixing greedy and seeded sampled requests.
+modules attached from a directory) and drafting (a k=2 chain, k = auto, the token tree (2, 2), and n-gram drafts, the
+default of a model without MTP modules), on batches of more requests than slots, of mixed prompt lengths (one past
+the prefill bucket), mixing greedy and seeded sampled requests, and requests that ask for fewer drafts than the
+engine's k (SamplingParams.num_speculative_tokens).
 
-ROWS, 7 compiled engines, fit the suite's budget (each costs 35-240 s of compiling on one core; all 12 rows of a
+ROWS, 10 compiled engines, fit the suite's budget (each costs 35-240 s of compiling on one core; all 12 rows of a
 design where every two factors meet took 1,265 s): every level of every factor runs, `full` on two architectures
 (Llama and GLM-4.5, whose MoE full diverged before), every architecture in two modes but GLM-4.5 (one), and the
-token tree in every mode. k = auto runs in compile only (auto in full compiled 3 step and 3 prefill packages: 238 s).
+token tree and n-gram drafts in every mode. k = auto runs in compile only (auto in full compiled 3 step and 3 prefill packages: 238 s).
 test_rows_meet_the_stated_coverage checks those claims.
 
 Float32 rows compare every request's tokens and, at each step it was in, the drafts it verified, how many it accepted
@@ -24,6 +26,7 @@ not catch emulate_precision_casts turned off.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -44,6 +47,7 @@ DRAFTING = {
     "k=2": dict(num_speculative_tokens=2),
     "auto": dict(num_speculative_tokens="auto", max_speculative_tokens=2),
     "tree": dict(draft_tree=(2, 2)),
+    "ngram": dict(),  # a model without MTP modules: n-gram drafts and their k by default
 }
 SCHEDULE = [1, 2, 0, 2, 2, 1, 0, 0, 2, 1]
 DTYPES = ("float32", "bfloat16")
@@ -57,41 +61,47 @@ ROWS = [
     ("qwen3", "compile", "tree", "float32", "float"),
     ("qwen3", "piecewise", "tree", "bfloat16", "Q4_1"),
     ("glm4_moe", "full", "k=2", "float32", "float"),
+    ("llama", "compile", "ngram", "float32", "float"),
+    ("qwen2", "piecewise", "ngram", "float32", "float"),
+    ("llama", "full", "ngram", "float32", "Q4_1"),
 ]
 ENGINE = dict(max_batch_size=4, max_seq_len=64, batch_buckets=(4,), prefill_buckets=(16,), show_progress=False)
 PROMPT_LENGTHS = [3, 14, 5, 20, 1, 12, 9]  # more than the slots; 20 prefills in eager, past the prefill bucket
 
 
 def params(index: int, dtype: str) -> SamplingParams:
-    """In float32 even requests greedy, odd ones sampled with a seed of their own; in bfloat16 all greedy."""
+    """In float32 even requests greedy, odd ones sampled with a seed of their own; in bfloat16 all greedy. Requests 1
+    and 4 ask for speculation of their own (0 and 1 drafts), sharing steps with lanes at the engine's k."""
     sampled = dict(temperature=0.9, top_p=0.95, seed=index) if index % 2 and dtype == "float32" else {}
-    return SamplingParams(max_tokens=16, ignore_eos=True, **sampled)
+    own_k = {1: 0, 4: 1}.get(index)
+    return SamplingParams(max_tokens=16, ignore_eos=True, num_speculative_tokens=own_k, **sampled)
 
 
 @pytest.fixture(scope="session")
 def matrix_models(tmp_path_factory):
-    """matrix_models(architecture, weights) -> (path, mtp directory or None, vocabulary size): a one-layer model whose
-    MTP modules mimic it, so steps accept none, some and all of their drafts."""
+    """matrix_models(architecture, weights, mtp) -> (path, mtp directory or None, vocabulary size): a one-layer model
+    whose MTP modules mimic it, so steps accept none, some and all of their drafts; without mtp, one with none."""
     written = {}
 
-    def get(architecture: str, weights: str):
-        if (architecture, weights) not in written:
+    def get(architecture: str, weights: str, mtp: bool = True):
+        if (architecture, weights, mtp) not in written:
             folder = tmp_path_factory.mktemp(f"{architecture}_{weights}")
             if weights == "float":
                 extra = dict(first_k_dense_replace=0) if architecture == "glm4_moe" else {}
-                model, _ = write_checkpoint(folder, architecture, num_hidden_layers=1, mtp_noise=0.1, **extra)
-                written[architecture, weights] = (folder, None, model.config.vocab_size)
+                extra.update(dict(mtp_noise=0.1) if mtp else dict(num_mtp_modules=0))
+                model, _ = write_checkpoint(folder, architecture, num_hidden_layers=1, **extra)
+                written[architecture, weights, mtp] = (folder, None, model.config.vocab_size)
             else:
                 path, model = write_gguf(folder, architecture, weights, tie_word_embeddings=True, num_hidden_layers=1,
                                          mtp_noise=0.1)
-                written[architecture, weights] = (path, folder / "mtp", model.config.vocab_size)
-        return written[architecture, weights]
+                written[architecture, weights, mtp] = (path, folder / "mtp" if mtp else None, model.config.vocab_size)
+        return written[architecture, weights, mtp]
 
     return get
 
 
 def build(matrix_models, architecture, mode, drafting, dtype, weights) -> LLM:
-    path, mtp, _ = matrix_models(architecture, weights)
+    path, mtp, _ = matrix_models(architecture, weights, mtp=drafting != "ngram")
     llm = LLM(path, graph_mode=mode, dtype=dtype, **({"mtp": mtp} if mtp else {}), **DRAFTING[drafting], **ENGINE)
     if drafting == "auto":
         llm.engine.chooser = ScheduledChooser(SCHEDULE)
@@ -113,7 +123,7 @@ def decode(llm: LLM, prompts, dtype: str) -> tuple[list[list[int]], list[list[tu
 @pytest.mark.parametrize("architecture, mode, drafting, dtype, weights", ROWS,
                          ids=["-".join(row) for row in ROWS])
 def test_compiled_mode_equals_eager(matrix_models, architecture, mode, drafting, dtype, weights):
-    vocab = matrix_models(architecture, weights)[2]
+    vocab = matrix_models(architecture, weights, mtp=drafting != "ngram")[2]
     prompts = [torch.randint(2, vocab, (n,), generator=torch.Generator().manual_seed(n)).tolist()
                for n in PROMPT_LENGTHS]
     eager = build(matrix_models, architecture, "eager", drafting, dtype, weights)
@@ -130,8 +140,22 @@ def test_compiled_mode_equals_eager(matrix_models, architecture, mode, drafting,
         tokens, steps = decode(llm, prompts, dtype)
     assert after_warm_up > 0 and graphs_made(llm.engine.runner) == after_warm_up
 
+    # Lanes with a k of their own verify no more than it (MTP lanes exactly it) in the steps they share with others.
+    assert {verified for verified, _, _ in eager_steps[1]} == {0}
+    own = {verified for verified, _, _ in eager_steps[4]}  # 0 too in a k=0 step of auto's, or with no n-gram match
+    assert own <= {0, 1} and 1 in own, own
     accepted = {count for request in eager_steps for _, count, _ in request}
-    assert {0, 2} <= accepted, accepted  # steps that accept none and all of their drafts
+    # Steps that accept none and all of their drafts (n-gram drafts on a random model: none and some).
+    assert 0 in accepted and (accepted - {0} if drafting == "ngram" else llm.draft_slots in accepted), accepted
+    if drafting == "ngram":  # the default for a model without MTP modules; lanes with no match draft nothing
+        assert (llm.config.drafter, llm.num_speculative_tokens) == ("ngram", 3)
+        assert {0, 3} <= {verified for request in eager_steps for verified, _, _ in request}
+        path = matrix_models(architecture, weights, mtp=False)[0]
+        plain = LLM(path, graph_mode="eager", dtype=dtype, num_speculative_tokens=0, **ENGINE)
+        greedy = range(0, len(prompts), 2)
+        plain_tokens = [o.token_ids for o in plain.generate(
+            [prompts[i] for i in greedy], [dataclasses.replace(params(i, dtype), num_speculative_tokens=None) for i in greedy])]
+        assert [eager_tokens[i] for i in greedy] == plain_tokens
     if drafting == "tree":
         assert any(leaf for request in eager_steps for _, _, leaf in request)  # paths that ended on a leaf
     if drafting == "auto":  # k switched between admissions: requests were prefilled with drafts for different k
@@ -156,5 +180,6 @@ def test_rows_meet_the_stated_coverage():
         assert {row[index] for row in ROWS} == set(levels)
     assert {row[0] for row in ROWS if row[1] == "full"} >= {"llama", "glm4_moe"}
     assert {row[1] for row in ROWS if row[2] == "tree"} == set(MODES)
+    assert {row[1] for row in ROWS if row[2] == "ngram"} == set(MODES)
     for architecture in ARCHITECTURES:
         assert len({row[1] for row in ROWS if row[0] == architecture}) == (1 if architecture == "glm4_moe" else 2)

@@ -13,6 +13,7 @@ import openai
 import pytest
 
 from compiled_spec import LLM, CompiledSpecError, SamplingParams
+from compiled_spec.api import DEFAULT_MODEL
 from compiled_spec.chat import chat_prompt
 from compiled_spec.benchmarks.live_server import running_server
 from serving import inbox, serve_command, wait_for, write_chat_model
@@ -225,10 +226,15 @@ def test_metrics_counters_agree_with_the_responses(server):
     client = server.client()
     server.wait_idle()
     before = server.metrics()
-    usages = [client.completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=0,
-                                        extra_body={"ignore_eos": True}).usage.model_dump() for prompt in PROMPTS[:4]]
+    ks = [0, 1, "auto", None]  # per request (the extension field); auto and left out: the server's k
+    usages = [client.completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=0, extra_body={
+        "ignore_eos": True, **({"speculation": {"num_speculative_tokens": k}} if k is not None else {})}
+    ).usage.model_dump() for prompt, k in zip(PROMPTS[:4], ks)]
     server.wait_idle()
     after = server.metrics()
+    for usage, k in zip(usages, ks):  # every step of a request drafted its own k
+        assert list(usage["spec_decode"]["num_steps_per_num_drafts"]) == [str(K if k in ("auto", None) else k)]
+    assert usages[0]["spec_decode"]["num_draft_tokens"] == 0 < usages[1]["spec_decode"]["num_draft_tokens"]
 
     def delta(name: str) -> float:
         key = f"compiled_spec:{name}"
@@ -239,15 +245,48 @@ def test_metrics_counters_agree_with_the_responses(server):
     assert delta(f"spec_decode_num_drafts_total{label}") == sum(s["num_drafts"] for s in spec) > 0
     assert delta(f"spec_decode_num_draft_tokens_total{label}") == sum(s["num_draft_tokens"] for s in spec)
     assert delta(f"spec_decode_num_accepted_tokens_total{label}") == sum(s["num_accepted_tokens"] for s in spec)
+    mtp = '{drafter="mtp",model_name="tiny"}'
+    assert delta(f"spec_decode_num_draft_tokens_per_drafter_total{mtp}") == sum(s["num_draft_tokens"] for s in spec)
+    assert delta(f"spec_decode_num_accepted_tokens_per_drafter_total{mtp}") == sum(s["num_accepted_tokens"] for s in spec)
     for position in range(K):
         name = f'spec_decode_num_accepted_tokens_per_pos_total{{model_name="tiny",position="{position}"}}'
         assert delta(name) == sum(s["num_accepted_tokens_per_pos"][position] for s in spec)
+    for k in range(K + 1):
+        name = f'spec_decode_num_steps_per_num_drafts_total{{model_name="tiny",num_drafts="{k}"}}'
+        assert delta(name) == sum(s["num_steps_per_num_drafts"].get(str(k), 0) for s in spec) > 0
     assert delta(f"generation_tokens_total{label}") == sum(u["completion_tokens"] for u in usages) == 48
     assert delta(f"prompt_tokens_total{label}") == sum(u["prompt_tokens"] for u in usages)
     assert delta(f"time_to_first_token_seconds_count{label}") == 4
     assert after[f"compiled_spec:graph_divergence_total{label}"] == 0  # the canary's count (serve checks graphs)
     assert delta(f"e2e_request_latency_seconds_count{label}") == 4
     assert delta(f"inter_token_latency_seconds_count{label}") >= 4
+
+
+def test_an_ngram_server_gives_the_same_text_and_counts_drafts_by_drafter(tmp_path):
+    """--drafter ngram on the embedded model, which has MTP modules: greedy text equals the MTP engine's, drafts come
+    from the request's own tokens, and /metrics counts them under drafter="ngram" as the responses' usage does."""
+    command = serve_command(DEFAULT_MODEL, *SERVER_ARGS, "--drafter", "ngram", "--served-model-name", "tiny")
+    prompts = ["ROMEO:\nBut soft, what light through yonder window breaks?\nJULIET:\nAy me!\nROMEO:\n",
+               "First Citizen:\nBefore we proceed any further, hear me speak.\nAll:\nSpeak, speak.\nFirst Citizen:\n"]
+    with running_server(command, tmp_path / "server.log") as live:
+        client = live.client()
+        before = live.metrics()
+        responses = [client.completions.create(model="tiny", prompt=prompt, max_tokens=32, temperature=0,
+                                               extra_body={"ignore_eos": True}) for prompt in prompts]
+        live.wait_idle()
+        after = live.metrics()
+    mtp = LLM(DEFAULT_MODEL, graph_mode="eager", show_progress=False, **ENGINE)
+    assert [r.choices[0].text for r in responses] == [o.text for o in mtp.generate(prompts, greedy(32, ignore_eos=True))]
+    spec = [r.usage.model_dump()["spec_decode"] for r in responses]
+
+    def delta(name: str) -> float:
+        return after.get(f"compiled_spec:{name}", 0) - before.get(f"compiled_spec:{name}", 0)
+
+    ngram = '{drafter="ngram",model_name="tiny"}'
+    assert delta(f"spec_decode_num_draft_tokens_per_drafter_total{ngram}") == sum(s["num_draft_tokens"] for s in spec) > 0
+    assert delta(f"spec_decode_num_accepted_tokens_per_drafter_total{ngram}") == sum(
+        s["num_accepted_tokens"] for s in spec) > 0
+    assert not any('drafter="mtp"' in name for name in after)
 
 
 def test_a_tree_servers_step_counters_equal_the_responses_of_requests_batched_together(model_dir, tmp_path):

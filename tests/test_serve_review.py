@@ -243,7 +243,11 @@ def test_a_model_can_be_retrieved_by_its_id(keyed):
 
 STRICT = [({"max_tokens": "5"}, "max_tokens"), ({"max_tokens": True}, "max_tokens"), ({"stream": "yes"}, "stream"),
           ({"temperature": "0.5"}, "temperature"), ({"stream_options": {"include_usage": 1}, "stream": True},
-                                                    "stream_options.include_usage")]
+                                                    "stream_options.include_usage"),
+          ({"speculation": {"num_speculative_tokens": "fast"}}, "speculation.num_speculative_tokens"),
+          ({"speculation": {"num_speculative_tokens": -1}}, "speculation.num_speculative_tokens"),
+          ({"speculation": {"num_speculative_tokens": 7}}, "speculation.num_speculative_tokens"),  # past the server's K
+          ({"speculation": {"k": 2}}, "speculation.k")]
 
 
 @pytest.mark.parametrize("fields, param", STRICT, ids=[json.dumps(f) for f, _ in STRICT])

@@ -4,7 +4,8 @@
 - hf-static: transformers `generate(cache_implementation="static")` with its own torch.compile of the forward
   (CompileConfig as transformers ships it; `_compile_all_devices` because generate compiles only on GPUs);
 - hf-mtp:    transformers `generate(use_mtp=True)`: assisted generation drafting with the checkpoint's MTP layers;
-- llama-cpp, llama-cpp-f32: llama.cpp on a GGUF model (benchmarks/llama_cpp_anchor.py).
+- llama-cpp, llama-cpp-f32, llama-cpp-lookup: llama.cpp on a GGUF model, the last with prompt lookup decoding
+  (benchmarks/llama_cpp_anchor.py).
 
 A GGUF model is loaded into transformers with `from_pretrained(folder, gguf_file=name)`.
 

@@ -94,6 +94,7 @@ def measure_engine(spec: dict) -> dict:
         dequantize=spec.get("dequantize", False),
         quantize=spec.get("quantize"),
         draft_tree=spec.get("draft_tree"),
+        drafter=spec.get("drafter"),
     )
     setup_s = time.perf_counter() - start
     engine = llm.engine
@@ -172,8 +173,10 @@ def measure_engine(spec: dict) -> dict:
         "hot_buffer_rows": engine.state.hisparse.hot_keys[0].shape[1] - 1 if engine.state.hisparse else None,
         "hisparse_scorer": scorer_in_use(llm.model) if engine.constants.attention.config else None,
         "main_weight_bytes": main_weight_bytes(llm.model),
-        "draft_vocab_size": None if llm.model.draft_vocab is None else llm.model.draft_vocab.numel(),
+        "draft_vocab_size": None if llm.model.draft_vocab is None or llm.config.drafter != "mtp"
+        else llm.model.draft_vocab.numel(),
         "draft_tree": list(llm.config.draft_tree) if llm.config.draft_tree else None,
+        "drafter": llm.config.drafter if llm.config.max_drafts else None,
         "draft_weight_dtype": draft_weight_dtype(llm.model),
         "cpu_kernels": cpu_kernels.status(),  # "built", "not built: <why>", or "not needed" (eager)
         **same_process,

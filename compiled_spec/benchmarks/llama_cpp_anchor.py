@@ -2,7 +2,9 @@
 
 - llama-cpp:     the file as it is (e.g. SmolLM2's Q4_1, llama.cpp's quantized kernels);
 - llama-cpp-f32: the same weights dequantized to F32 (what a float engine computes in), a GGUF written once
-                 beside the original (benchmarks/gguf_copy.py).
+                 beside the original (benchmarks/gguf_copy.py);
+- llama-cpp-lookup: the file as it is with prompt lookup decoding (llama-cpp-python's LlamaPromptLookupDecoding),
+                 at each of LOOKUP_PREDICTED_TOKENS drafts per step; the best counts, every one is recorded.
 
 Greedy (top_k=1), EOS ignored: exactly max_tokens tokens per prompt, one prompt at a time (llama-cpp-python
 decodes one sequence per context). Runs in a worker process.
@@ -19,7 +21,8 @@ from .gguf_copy import gguf_copy
 from .unavailable import Unavailable
 from .workload import digest
 
-LLAMA_CPP_ANCHORS = ("llama-cpp", "llama-cpp-f32")
+LLAMA_CPP_ANCHORS = ("llama-cpp", "llama-cpp-f32", "llama-cpp-lookup")
+LOOKUP_PREDICTED_TOKENS = (2, 3, 5, 10)  # num_pred_tokens tried; 10 is llama-cpp-python's default
 
 
 def unavailable_reason(name: str, batch_size: int, model: str) -> str | None:
@@ -44,9 +47,24 @@ def measure_llama_cpp(spec: dict) -> dict:
     if name == "llama-cpp-f32":
         path = gguf_copy(path, "F32")
     threads = spec.get("threads") or len(os.sched_getaffinity(0))
+    if name != "llama-cpp-lookup":
+        return _measure(Llama, path, spec, threads, start, None)
+    from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+    runs = {count: _measure(Llama, path, spec, threads, start, LlamaPromptLookupDecoding(num_pred_tokens=count))
+            for count in LOOKUP_PREDICTED_TOKENS}
+    best = max(runs, key=lambda count: runs[count]["tokens_per_s"])
+    record = dict(runs[best])
+    record["settings"] = {**record["settings"], "num_pred_tokens": best,
+                          "tokens_per_s_by_num_pred_tokens": {str(c): r["tokens_per_s"] for c, r in runs.items()}}
+    return record
+
+
+def _measure(Llama, path: Path, spec: dict, threads: int, start: float, draft_model) -> dict:
+    max_tokens = spec["max_tokens"]
     longest = max(len(ids) for ids in spec["prompt_ids"])
-    llm = Llama(model_path=str(path), n_ctx=longest + max_tokens + 8, n_threads=threads, n_threads_batch=threads,
-                n_batch=512, verbose=False)
+    llm = Llama(model_path=str(path), n_ctx=longest + max_tokens + 16, n_threads=threads, n_threads_batch=threads,
+                n_batch=512, verbose=False, draft_model=draft_model)
 
     def generate(prompt_ids: list[int]) -> list[int]:
         return greedy_tokens(llm, prompt_ids, max_tokens)

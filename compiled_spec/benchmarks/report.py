@@ -62,6 +62,8 @@ def engine_row(record: dict, anchors: list[str]) -> str:
     k_text = f"{k} (draft vocab {vocab})" if k and vocab else str(k)
     if record.get("draft_tree"):
         k_text += f" tree {','.join(map(str, record['draft_tree']))}"
+    if record.get("drafter") not in (None, "mtp"):  # n-gram drafts; MTP modules are the usual drafter
+        k_text += f" {record['drafter']}"
 
     head = f"| {record['graph_mode']} | {k_text} | {record['batch_size']} |"
     if record["status"] != "ok":

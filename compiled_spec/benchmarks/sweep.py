@@ -11,6 +11,7 @@ side. The first round compiles what the cache lacks; later rounds start warm.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import shlex
@@ -55,6 +56,7 @@ class SweepOptions:
     hisparse: dict | None = None  # HiSparseConfig fields for every engine cell; None: dense attention
     draft_vocab_sizes: list = field(default_factory=lambda: [None])  # cells with k > 0, per size; None: engine default
     draft_trees: list = field(default_factory=list)  # token trees (width tuples): cells at each one's depth, and auto
+    drafters: list = field(default_factory=lambda: [None])  # cells with k > 0, per drafter; None: the engine default
     mtp: Path | None = None  # engine cells draft with these MTP modules (LLM(mtp=...)); None: the model's own
     draft_dtype: str | None = None  # engine cells' draft weight dtype (LLM(draft_dtype=...)); None: the default
     dequantize: bool = False  # engine cells widen a GGUF's quantized matrices (LLM(dequantize=True))
@@ -76,13 +78,15 @@ def plan(options: SweepOptions, prompt_ids: list[list[int]], max_seq_len: int) -
         for tree, ks in shapes:
             for k in ks:
                 for batch in options.batch_sizes:
-                    for size in options.draft_vocab_sizes if k == "auto" or k > 0 else [None]:
+                    drafting = k == "auto" or k > 0
+                    for size, drafter in itertools.product(options.draft_vocab_sizes if drafting else [None],
+                                                           options.drafters if drafting and not tree else [None]):
                         name = f"{mode} k={k} b={batch}" + (f" v={size}" if size else "") + \
-                            (f" tree={','.join(map(str, tree))}" if tree else "")
+                            (f" tree={','.join(map(str, tree))}" if tree else "") + (f" {drafter}" if drafter else "")
                         cells.append(dict(kind="engine", name=name, graph_mode=mode, num_speculative_tokens=k,
                                           batch_size=batch, max_seq_len=max_seq_len, buckets=options.buckets,
                                           hisparse=options.hisparse, draft_vocab_size=size, draft_tree=tree,
-                                          mtp=str(options.mtp) if options.mtp else None,
+                                          drafter=drafter, mtp=str(options.mtp) if options.mtp else None,
                                           draft_dtype=options.draft_dtype, dequantize=options.dequantize,
                                           quantize=options.quantize, **common))
     return cells
@@ -140,7 +144,7 @@ def worker_env(options: SweepOptions, cache_dir: Path) -> dict:
 
 
 def cell_record(spec: dict, result: dict) -> dict:
-    keys = ("kind", "name", "anchor", "graph_mode", "num_speculative_tokens", "batch_size", "draft_tree")
+    keys = ("kind", "name", "anchor", "graph_mode", "num_speculative_tokens", "batch_size", "draft_tree", "drafter")
     return {**{key: spec[key] for key in keys if key in spec}, **result}
 
 

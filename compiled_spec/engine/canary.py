@@ -53,9 +53,9 @@ def copy_state(state: DecodeState) -> DecodeState:
 
 
 # Fields whose last row (dim 1) is a trash row: writes that must land nowhere go there, in any order, so it holds
-# anything (the KV caches' trash position, the hot buffers' spare row).
+# anything (the KV caches' trash position, the hot buffers' spare row, the token history's last column).
 TRASH_ROW_FIELDS = ("main_keys", "main_values", "draft_keys", "draft_values", "index_keys", "hot_keys", "hot_values",
-                    "hot_positions", "hot_last_used")
+                    "hot_positions", "hot_last_used", "token_history")
 
 
 def first_difference(compiled: DecodeState, eager: DecodeState, step: int) -> Divergence | None:

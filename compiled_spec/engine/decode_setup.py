@@ -17,11 +17,11 @@ from .buckets import checked_buckets, compiled_prefill_limit, default_batch_buck
 
 def allocate_state(model: CausalLM, config: EngineConfig) -> DecodeState:
     device, dtype, hisparse = torch.device(config.device), config.torch_dtype(), config.hisparse
-    max_drafts = config.max_drafts
+    max_drafts, drafter = config.max_drafts, config.drafter or "mtp"
     return DecodeState.allocate(
         model.config, config.max_batch_size, config.max_seq_len, max_drafts, dtype, device,
-        tree_width=config.tree_width,
-        **(dict(hot_rows=hisparse.hot_rows, index_dims=index_key_dims(model, max_drafts),
+        tree_width=config.tree_width, drafter=drafter,
+        **(dict(hot_rows=hisparse.hot_rows, index_dims=index_key_dims(model, max_drafts if drafter == "mtp" else 0),
                 cold_dtype=hisparse.cold_torch_dtype(dtype), pinned_cold_pool=hisparse.cold_pool_pinned(device))
            if hisparse else {}),
     )
@@ -38,6 +38,7 @@ def step_constants(model: CausalLM, config: EngineConfig, state: DecodeState, eo
         opaque_attention=config.graph_mode == GraphMode.PIECEWISE,
         attention=HiSparseAttention(config.hisparse) if config.hisparse else DenseAttention(),
         draft_tree=config.draft_tree or (),
+        drafter=config.drafter or "mtp",
     )
 
 

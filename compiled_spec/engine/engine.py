@@ -166,6 +166,7 @@ class Engine:
         state.seeds[slot] = request.seed
         state.ignore_eos[slot] = params.ignore_eos
         state.max_new_tokens[slot] = params.max_tokens
+        state.draft_limits[slot] = self.draft_limit(params)
         state.generated[slot] = 0
         state.done[slot] = False
         length = len(request.prompt_ids)
@@ -185,8 +186,13 @@ class Engine:
         if params.stop and self.tokenizer is not None:
             request.detokenizer = IncrementalDetokenizer(self.tokenizer, params.stop)
         self.slots.append(request)
-        finished, _, _, _ = self._collect(slot + 1, on_tokens, first_slot=slot, record_stats=False)
+        finished, *_ = self._collect(slot + 1, on_tokens, first_slot=slot, record_stats=False)
         return finished
+
+    def draft_limit(self, params) -> int:
+        """The most drafts a step verifies for a request with these SamplingParams (its own k, else K)."""
+        k = params.num_speculative_tokens
+        return self.max_drafts if k is None or k == "auto" else min(k, self.max_drafts)
 
     def _prefill_drafts(self) -> int:
         """K, or with auto the k of its last step: drafts past the k the next step verifies would cost a prefill
@@ -207,8 +213,8 @@ class Engine:
             divergence = self.canary.checked_step(self, batch, drafts, self.steps_run + 1)
         else:
             self.runner.step(batch, drafts)
-        finished, lanes, verified, on_leaf = self._collect(len(self.slots), on_tokens, first_slot=0,
-                                                           record_stats=True, drafts=drafts)
+        finished, lanes, verified, on_leaf, lane_drafts = self._collect(len(self.slots), on_tokens, first_slot=0,
+                                                                        record_stats=True, drafts=drafts)
         seconds = time.perf_counter() - start
         self.steps_run += 1
         if self.canary:
@@ -216,7 +222,7 @@ class Engine:
         if self.chooser:
             outcomes = [LaneOutcome(v, accepted, leaf) for v, (_, accepted), leaf in zip(verified, lanes, on_leaf)]
             self.chooser.observe_step(bucket, drafts, seconds, outcomes)
-        return StepRecord(finished, lanes, seconds, drafts.k, verified, divergence, drafts.tree, on_leaf)
+        return StepRecord(finished, lanes, seconds, drafts.k, verified, divergence, drafts.tree, on_leaf, lane_drafts)
 
     def abort(self, index: int) -> Request | None:
         """Drops the waiting request with this index, or frees the slot of the running one (between steps); None if
@@ -239,7 +245,8 @@ class Engine:
         """Reads what slots first_slot..end-1 emitted (one device-to-host copy) and frees finished slots.
 
         drafts: what the step verified and drafted. Returns the finished requests, per lane (request index, accepted
-        drafts), per lane the drafts it verified, and per lane whether its path ended on a leaf of the token tree.
+        drafts), per lane the drafts it verified, per lane whether its path ended on a leaf of the token tree, and
+        per lane the drafts it made.
         """
         s = self.state
         packed = torch.cat(
@@ -247,7 +254,7 @@ class Engine:
              s.step_verified[first_slot:end, None], s.step_on_leaf[first_slot:end, None].long(),
              s.done[first_slot:end, None].long()], dim=1
         ).tolist()
-        finished, finished_slots, lanes, verified_counts, on_leaf = [], [], [], [], []
+        finished, finished_slots, lanes, verified_counts, on_leaf, lane_drafts = [], [], [], [], [], []
         for offset, row in enumerate(packed):
             slot = first_slot + offset
             request = self.slots[slot]
@@ -256,8 +263,11 @@ class Engine:
                 lanes.append((request.index, accepted))
                 verified_counts.append(verified)
                 on_leaf.append(bool(leaf))
+                lane_k = min(drafts.k, self.draft_limit(request.params))  # what this request's lane drafted
+                lane_drafts.append(lane_k)
                 if self.max_drafts > 0:
-                    request.output.stats.record(accepted, verified, drafts.k, tree=drafts.tree, on_leaf=bool(leaf))
+                    request.output.stats.record(accepted, verified, lane_k, tree=drafts.tree and lane_k > 0,
+                                                on_leaf=bool(leaf))
             kept = len(request.output.token_ids)
             stopped = self._append(request, tokens[:count])
             new_tokens = request.output.token_ids[kept:]  # a stop string drops the tokens after it
@@ -269,7 +279,7 @@ class Engine:
                 finished_slots.append(slot)
         for slot in reversed(finished_slots):
             self._free(slot)
-        return finished, lanes, verified_counts, on_leaf
+        return finished, lanes, verified_counts, on_leaf, lane_drafts
 
     def _append(self, request: Request, new_tokens: list[int]) -> bool:
         """Adds tokens; returns True when a stop string appeared (tokens after it are dropped)."""

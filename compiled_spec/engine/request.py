@@ -34,3 +34,4 @@ class StepRecord:
     divergence: Divergence | None = None  # the canary checked this step and found the compiled one wrong
     tree: bool = False  # the step verified the token tree (num_drafts: its depth)
     on_leaf: list[bool] | None = None  # per lane: its accepted path ended on one of the tree's leaves
+    lane_drafts: list[int] | None = None  # per lane: the drafts it made (num_drafts, or its request's own smaller k)

@@ -143,9 +143,11 @@ def named_model_drafting_with_its_modules(path: Path, mtp_path: Path | None) -> 
     return None
 
 
-def default_num_speculative_tokens(path: Path, mtp_path: Path | None, num_mtp_modules: int) -> int:
-    """k when none is asked for: 0 without MTP modules; the named model's own k with the modules shipped for it;
-    else DEFAULT_NUM_SPECULATIVE_TOKENS."""
+def default_num_speculative_tokens(path: Path, mtp_path: Path | None, num_mtp_modules: int, drafter: str) -> int:
+    """k when none is asked for: 0 for MTP drafts without MTP modules; the named model's own k with the modules
+    shipped for it (MTP drafts); else DEFAULT_NUM_SPECULATIVE_TOKENS."""
+    if drafter == "ngram":
+        return DEFAULT_NUM_SPECULATIVE_TOKENS
     if not num_mtp_modules:
         return 0
     model = named_model_drafting_with_its_modules(path, mtp_path)

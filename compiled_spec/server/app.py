@@ -34,7 +34,7 @@ from ..detokenizer import TextStream
 from .engine_loop import EngineLoop, Pending, QueueFull, ShuttingDown
 from .metrics import ServerMetrics
 from .protocol import (COMPLETIONS_DEFAULT_MAX_TOKENS, PROMPT_CHARACTERS_PER_TOKEN, APIError, ChatCompletionRequest,
-                       CompletionRequest, ResponseShape, new_id, parse, shown)
+                       CompletionRequest, ResponseShape, new_id, parse, shown, wire_error)
 
 log = logging.getLogger("compiled_spec.server")
 
@@ -66,7 +66,7 @@ def create_app(llm: LLM, options: ServerOptions) -> FastAPI:
         raise CompiledSpecError(f"serve needs a model with a tokenizer; {str(llm.path)!r} has none")
     if options.api_key is not None and (problem := api_key_problem(options.api_key)):
         raise CompiledSpecError(f"the API key {problem}")
-    metrics = ServerMetrics(options.model_name, llm.draft_slots)
+    metrics = ServerMetrics(options.model_name, llm.draft_slots, llm.config.drafter)
     loop = EngineLoop(llm.engine, metrics, options.max_queue, options.step_log)
     tokenizer = copy.deepcopy(llm.tokenizer)  # the event loop's: streamed text
     # Prompts are rendered and tokenized on one thread of their own with a copy of the tokenizer used nowhere else
@@ -188,7 +188,7 @@ def create_app(llm: LLM, options: ServerOptions) -> FastAPI:
         try:
             engine_request = llm.make_request(next(request_numbers), prompt_ids, params)
         except CompiledSpecError as error:
-            raise APIError(400, str(error), param=param if error.param == "prompt" else error.param) from None
+            raise wire_error(error, param=param if error.param == "prompt" else None) from None
         pending = Pending(engine_request, asyncio.Queue(), asyncio.get_running_loop(), request_id=shape.id)
         retry = {"Retry-After": str(options.retry_after_s)}
         try:

@@ -196,7 +196,7 @@ class EngineLoop:
             self._fail_running("decode step failed", error)
             return
         self._steps += 1
-        self.metrics.record_step([accepted for _, accepted in record.lanes], record.verified, record.num_drafts,
+        self.metrics.record_step([accepted for _, accepted in record.lanes], record.verified, record.lane_drafts,
                                  record.tree, record.on_leaf)
         if record.divergence is not None:
             self.metrics.graph_divergence.inc()

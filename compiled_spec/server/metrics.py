@@ -17,7 +17,7 @@ LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0
 
 
 class ServerMetrics:
-    def __init__(self, model_name: str, num_speculative_tokens: int):
+    def __init__(self, model_name: str, num_speculative_tokens: int, drafter: str = "mtp"):
         self.registry = CollectorRegistry()
         self.model_name = model_name
         labels = ["model_name"]
@@ -31,6 +31,11 @@ class ServerMetrics:
         self.num_drafts = counter("spec_decode_num_drafts", "Verify steps that checked drafts, summed over requests.")
         self.num_draft_tokens = counter("spec_decode_num_draft_tokens", "Draft tokens proposed.")
         self.num_accepted_tokens = counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.")
+        self.draft_tokens_per_drafter = counter("spec_decode_num_draft_tokens_per_drafter",
+                                                "Draft tokens proposed, by what proposed them (--drafter).",
+                                                ["drafter"])
+        self.accepted_per_drafter = counter("spec_decode_num_accepted_tokens_per_drafter",
+                                            "Draft tokens accepted, by what proposed them (--drafter).", ["drafter"])
         self.accepted_per_pos = counter("spec_decode_num_accepted_tokens_per_pos",
                                         "Draft tokens accepted at each draft position (0 is the first).",
                                         ["position"])
@@ -63,22 +68,28 @@ class ServerMetrics:
                      "inter_token_latency", "running", "waiting", "graph_divergence"):
             setattr(self, name, getattr(self, name).labels(model_name))
         self._per_pos = [self.accepted_per_pos.labels(model_name, str(p)) for p in range(num_speculative_tokens)]
+        self._drafted = self.draft_tokens_per_drafter.labels(model_name, drafter)
+        self._accepted = self.accepted_per_drafter.labels(model_name, drafter)
         self.num_speculative_tokens = num_speculative_tokens
 
-    def record_step(self, accepted_per_lane: list[int], verified_per_lane: list[int], num_drafts: int,
+    def record_step(self, accepted_per_lane: list[int], verified_per_lane: list[int], drafts_per_lane: list[int],
                     tree: bool = False, on_leaf: list[bool] | None = None) -> None:
-        """One verify step: each lane verified some drafts and accepted a prefix of them; num_drafts: the k the
-        step drafted with; tree: it verified the token tree; on_leaf: per lane, its path ended on a leaf."""
+        """One verify step: each lane verified some drafts and accepted a prefix of them; drafts_per_lane: the k each
+        lane drafted with (the step's, or its request's own smaller k); tree: the step verified the token tree (on
+        every lane that drafts); on_leaf: per lane, its path ended on a leaf."""
         if self.num_speculative_tokens == 0:
             return
         # Per lane, as each request's statistics count them, so the counters equal the sum of the responses' usage.
-        self.steps_per_num_drafts.labels(self.model_name, str(num_drafts)).inc(len(accepted_per_lane))
+        for num_drafts in drafts_per_lane:
+            self.steps_per_num_drafts.labels(self.model_name, str(num_drafts)).inc()
         if tree:
-            self.tree_steps.inc(len(accepted_per_lane))
+            self.tree_steps.inc(sum(k > 0 for k in drafts_per_lane))
             self.leaf_steps.inc(sum(on_leaf or []))
         self.num_drafts.inc(len(accepted_per_lane))
         self.num_draft_tokens.inc(sum(verified_per_lane))
         self.num_accepted_tokens.inc(sum(accepted_per_lane))
+        self._drafted.inc(sum(verified_per_lane))
+        self._accepted.inc(sum(accepted_per_lane))
         for accepted in accepted_per_lane:
             for position in range(accepted):
                 self._per_pos[position].inc()

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
@@ -65,8 +65,30 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+WIRE_NAMES = {"num_speculative_tokens": "speculation.num_speculative_tokens"}  # SamplingParams field -> request field
+
+
+def wire_error(error: CompiledSpecError, param: str | None = None) -> APIError:
+    """A 400 for a CompiledSpecError about a SamplingParams field, naming the request field it came from (param:
+    the request field to name instead)."""
+    message, name = str(error), error.param
+    if name in WIRE_NAMES:
+        name = WIRE_NAMES[name]
+        message = name + message[len(error.param):] if message.startswith(error.param) else message
+    return APIError(400, message, param=param or name)
+
+
+class Speculation(BaseModel):
+    """This engine's extension: {"num_speculative_tokens": 0..K or "auto"}, the most drafts a step verifies for the
+    request ("auto" or left out: the server's own, -k)."""
+
+    model_config = STRICT
+    num_speculative_tokens: int | Literal["auto"] | None = None
+
+
 class _Common(BaseModel):
-    """Fields both endpoints share. vLLM's extensions top_k and ignore_eos are accepted too."""
+    """Fields both endpoints share. vLLM's extensions top_k and ignore_eos are accepted too, and this engine's
+    speculation."""
 
     model_config = STRICT
     model: str
@@ -84,6 +106,7 @@ class _Common(BaseModel):
     logit_bias: dict[str, float] | None = None
     user: str | None = None  # an end-user id for the operator's logs; changes nothing
     ignore_eos: bool = False
+    speculation: Speculation | None = None
 
     def unsupported(self) -> dict[str, Any]:
         """Fields set to something the engine cannot do: {name: value}."""
@@ -109,9 +132,10 @@ class _Common(BaseModel):
                 top_k=0 if top_k == -1 else top_k,  # -1 is "off" in vLLM
                 max_tokens=default_max_tokens if self.max_tokens is None else self.max_tokens,
                 stop=self.stop, seed=self.seed, ignore_eos=self.ignore_eos,
+                num_speculative_tokens=self.speculation.num_speculative_tokens if self.speculation else None,
             )
         except CompiledSpecError as error:
-            raise APIError(400, str(error), param=error.param) from None
+            raise wire_error(error) from None
 
     @property
     def include_usage(self) -> bool:

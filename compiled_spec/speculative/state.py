@@ -24,11 +24,13 @@ class DecodeState:
     # Drafts for the next step, t_L .. t_{L+K-1}, and the draft distributions they were sampled from. K is the
     # number of draft slots; a step that drafts k <= K of them fills the first k and sets draft_counts to k.
     draft_tokens: torch.Tensor  # [slots, K] int64
-    draft_probs: torch.Tensor  # [slots, K, vocab] float32
+    draft_probs: torch.Tensor  # [slots, K, vocab] float32 ([slots, 0, vocab] for n-gram drafts: q is one-hot)
     # How many of a slot's drafts are valid: verification rejects every draft at or past this count.
     draft_counts: torch.Tensor  # [slots] int64
+    # The most drafts a slot's request lets a step verify (its own k; K for the engine's): draft_counts never exceed it.
+    draft_limits: torch.Tensor  # [slots] int64
     # Depth-d MTP hidden state at row L-d-1, for d = 1..K-1: the row before depth d+1's window.
-    carry_hidden: torch.Tensor  # [slots, max(K-1, 0), hidden]
+    carry_hidden: torch.Tensor  # [slots, max(K-1, 0), hidden] (n-gram drafts: [slots, 0, hidden])
     generated: torch.Tensor  # [slots] int64, tokens emitted so far
     max_new_tokens: torch.Tensor  # [slots] int64
     done: torch.Tensor  # [slots] bool
@@ -52,6 +54,9 @@ class DecodeState:
     # Token trees (speculative/tree.py): each depth's other candidates after its draft, best first; None without a
     # tree. Their keys and values go to the scratch rows of the main caches (scratch_row).
     draft_leaves: torch.Tensor | None = None  # [slots, K, tree width - 1] int64
+    # The n-gram drafter (speculative/ngram.py): every committed token t_0..t_{L-1} at its position; None with MTP
+    # drafts. Its last column absorbs writes past the end.
+    token_history: torch.Tensor | None = None  # [slots, capacity] int64
     # HiSparse's tiers (compiled_spec/hisparse/tiers.py), one per main layer then one per draft depth; None when off.
     hisparse: HiSparseState | None = None
 
@@ -103,12 +108,15 @@ class DecodeState:
         cold_dtype: torch.dtype | None = None,
         pinned_cold_pool: bool = False,
         tree_width: int = 1,
+        drafter: str = "mtp",
     ) -> "DecodeState":
         """max_drafts: K, the draft slots (a step may draft fewer). hot_rows and index_dims (one per main layer, then
         per draft depth) turn on the HiSparse tiers; the KV caches are then their cold pool, in cold_dtype (default:
         dtype), and with pinned_cold_pool (CUDA) in pinned host memory. tree_width: the widest depth of a token tree the
-        steps may verify (1: chains only)."""
+        steps may verify (1: chains only). drafter: "mtp" (draft depths with their caches) or "ngram" (the token
+        history instead)."""
         k = max_drafts
+        depths = k if drafter == "mtp" else 0  # draft depths with KV caches and carried hidden states
         # Rows up to position max_seq_len - 1 + k are written by a step; then a tree's scratch rows; one more is the
         # trash position.
         leaves = tree_width - 1
@@ -128,9 +136,10 @@ class DecodeState:
             pending_tokens=zeros(num_slots),
             seq_lens=torch.ones(num_slots, dtype=torch.int64, device=device),
             draft_tokens=zeros(num_slots, k),
-            draft_probs=zeros(num_slots, k, config.vocab_size, dtype=torch.float32),
+            draft_probs=zeros(num_slots, depths, config.vocab_size, dtype=torch.float32),
             draft_counts=zeros(num_slots),
-            carry_hidden=zeros(num_slots, max(k - 1, 0), config.hidden_size, dtype=dtype),
+            draft_limits=torch.full((num_slots,), k, dtype=torch.int64, device=device),
+            carry_hidden=zeros(num_slots, max(depths - 1, 0), config.hidden_size, dtype=dtype),
             generated=zeros(num_slots),
             max_new_tokens=zeros(num_slots),
             done=torch.ones(num_slots, dtype=torch.bool, device=device),
@@ -146,9 +155,10 @@ class DecodeState:
             step_on_leaf=zeros(num_slots, dtype=torch.bool),
             main_keys=caches(config.num_hidden_layers),
             main_values=caches(config.num_hidden_layers),
-            draft_keys=caches(k),
-            draft_values=caches(k),
+            draft_keys=caches(depths),
+            draft_values=caches(depths),
             draft_leaves=zeros(num_slots, k, leaves) if leaves else None,
+            token_history=zeros(num_slots, capacity) if drafter == "ngram" else None,
             hisparse=allocate_tiers(hot_rows, index_dims, num_slots, capacity, *cache_shape[2:], dtype, device)
             if hot_rows else None,
         )

@@ -14,6 +14,10 @@ has its own KV cache. After verification, depth m re-runs rows L-m .. L-1+k (the
 window, width k+m), so every row whose inputs are all verified is (re)written from verified values,
 and rows that used a draft token are rewritten next step before anything reads them.
 
+With constants.drafter "ngram" the drafts come from the request's own tokens (speculative/ngram.py) instead of draft
+depths: the step records its emitted tokens in state.token_history, looks the last ones up there, and sets each lane's
+draft count to what its match proposes (0 without one). Their q is one-hot, so verification is unchanged.
+
 A step called with tree=True verifies the token tree of constants.draft_tree (speculative/tree.py; k is its depth):
 each depth's other candidates are extra rows of the verify pass, and the accepted path may end on one of them. Every
 step with k > 0 drafts the tree's candidates, so a chain step and a tree step can follow each other (k = auto).
@@ -28,7 +32,7 @@ import torch.nn.functional as F
 
 from ..model.causal_lm import CausalLM
 from ..model.layers import PassLayout
-from . import rng
+from . import ngram, rng
 from .attention_backend import AttentionBackend, DenseAttention
 from .sampler import race_sample, sampling_probs, verify_drafts
 from .state import DecodeState
@@ -45,6 +49,7 @@ class StepConstants(NamedTuple):
     opaque_attention: bool = False
     attention: AttentionBackend = DenseAttention()  # HiSparseAttention: decode passes attend over tiered caches
     draft_tree: tuple[int, ...] = ()  # widths per depth (speculative/tree.py); a step with tree=True verifies it
+    drafter: str = "mtp"  # "mtp": the MTP modules draft; "ngram": the request's own tokens do (speculative/ngram.py)
 
 
 class Drafts(NamedTuple):
@@ -108,7 +113,7 @@ def check_tree_step(constants: StepConstants, k: int, tree: bool) -> None:
 
 def state_writes(state: DecodeState, constants: StepConstants, k: int) -> tuple[str, ...]:
     """The DecodeState fields the step or prefill drafting k updates (checked by passes/state_mutation)."""
-    depths = k
+    depths = k if constants.drafter == "mtp" else 0
     names = ["pending_tokens", "seq_lens", "generated", "done", "step_tokens", "step_emitted", "step_accepted",
              "step_verified", "step_on_leaf"]
     names += [f"main_keys[{i}]" for i in range(len(state.main_keys))]
@@ -116,8 +121,10 @@ def state_writes(state: DecodeState, constants: StepConstants, k: int) -> tuple[
     if max_drafts(state) > 0:
         names.append("draft_counts")
     if k > 0:
-        names += ["draft_tokens", "draft_probs"]
+        names += ["draft_tokens"] + (["draft_probs"] if depths else [])
         names += [f"draft_keys[{i}]" for i in range(depths)] + [f"draft_values[{i}]" for i in range(depths)]
+    if state.token_history is not None:
+        names.append("token_history")
     if depths > 1:
         names.append("carry_hidden")
     if k > 0 and state.draft_leaves is not None:
@@ -319,14 +326,16 @@ def speculative_step(model: CausalLM, state: DecodeState, constants: StepConstan
     constants.attention.after_main_pass(state, tiers, layout, rows)
     target_probs = sampling_probs(model.logits(hidden), temperature, top_k, top_p)
     verified = state.draft_counts[:batch_size].clamp(max=k) if slots > 0 else None
+    draft_probs = (state.draft_probs[:batch_size, :k] if constants.drafter == "mtp"
+                   else ngram.draft_distribution(drafts, target_probs.shape[-1]))
     if nodes:
         accepted, next_token, on_leaf, leaf = verify_tree(
-            target_probs[:, : k + 1], target_probs[:, k + 1 :], state.draft_probs[:batch_size, :k], drafts, leaf_tokens,
+            target_probs[:, : k + 1], target_probs[:, k + 1 :], draft_probs, drafts, leaf_tokens,
             widths, temperature == 0, seeds, seq_lens, verified)
         hidden = end_on_leaf(state, rows, hidden[:, : k + 1], hidden[:, k + 1 :], accepted, on_leaf & active, leaf,
                              first_row, scratch, constants.attention, tiers)
     else:
-        accepted, next_token = verify_drafts(target_probs, state.draft_probs[:batch_size, :k], drafts, seeds, seq_lens,
+        accepted, next_token = verify_drafts(target_probs, draft_probs, drafts, seeds, seq_lens,
                                              verified)
 
     # Emitted this step: d_1..d_n, then the residual/bonus token at index n.
@@ -343,8 +352,14 @@ def speculative_step(model: CausalLM, state: DecodeState, constants: StepConstan
     )
     count = torch.where(active, count, 0)
     new_seq_lens = torch.where(active, seq_lens + accepted + 1, seq_lens)
+    draft_counts = torch.full_like(count, k)
+    if state.token_history is not None:
+        ngram.record_tokens(state.token_history, rows, seq_lens, emitted_tokens, torch.where(active, accepted + 1, 0))
 
-    if k > 0:
+    if k > 0 and constants.drafter == "ngram":
+        new_drafts, draft_counts = ngram.propose(state.token_history[:batch_size], new_seq_lens, k)
+        _write_chain(state, rows, (new_drafts, None, None, None), keep=active)
+    elif k > 0:
         window_tokens = F.pad(emitted_tokens, (0, k))
         new_drafts, new_probs, new_carry, new_leaves = _draft_chain(
             model, state, constants, rows, True,
@@ -361,7 +376,8 @@ def speculative_step(model: CausalLM, state: DecodeState, constants: StepConstan
         _write_chain(state, rows, (new_drafts, new_probs, new_carry, new_leaves), keep=active)
     if slots > 0:
         counts = state.draft_counts[:batch_size]
-        _write_rows(state.draft_counts, rows, torch.where(active, torch.full_like(counts, k), counts))
+        draft_counts = torch.minimum(draft_counts, state.draft_limits[:batch_size])
+        _write_rows(state.draft_counts, rows, torch.where(active, draft_counts, counts))
     _write_results(state, rows, pending=torch.where(active, next_token, state.pending_tokens[:batch_size]),
                    seq_lens=new_seq_lens, generated=state.generated[:batch_size] + count,
                    done=state.done[:batch_size] | (active & finished), tokens=emitted_tokens, emitted=count,
@@ -403,7 +419,15 @@ def prefill(
         torch.zeros_like(prompt_len), state.max_new_tokens[slot], prompt_len, constants.max_seq_len,
     )
 
-    if k > 0:
+    draft_counts = torch.full_like(prompt_len, k)
+    if state.token_history is not None:
+        ngram.record_tokens(state.token_history, slot, torch.zeros_like(prompt_len), prompt_ids, prompt_len)
+        ngram.record_tokens(state.token_history, slot, prompt_len, first_token[:, None], torch.ones_like(prompt_len))
+
+    if k > 0 and constants.drafter == "ngram":
+        drafts, draft_counts = ngram.propose(state.token_history[slot], new_seq_len, k)
+        _write_chain(state, slot, (drafts, None, None, None))
+    elif k > 0:
         # Depth-1 row i reads t_{i+1}: the prompt shifted by one, with the first token after it.
         shifted = F.pad(prompt_ids[:, 1:], (0, k + 1))
         offsets = torch.arange(shifted.shape[1], device=prompt_ids.device)
@@ -422,7 +446,7 @@ def prefill(
         )
         _write_chain(state, slot, (drafts, draft_probs, carry, leaves))
     if slots > 0:
-        _write_rows(state.draft_counts, slot, torch.full_like(prompt_len, k))
+        _write_rows(state.draft_counts, slot, torch.minimum(draft_counts, state.draft_limits[slot]))
     _write_results(state, slot, pending=first_token, seq_lens=new_seq_len, generated=count, done=finished,
                    tokens=first_token[:, None], emitted=count, accepted=torch.zeros_like(count),
                    verified=torch.zeros_like(count), on_leaf=torch.zeros_like(finished))
