@@ -109,21 +109,21 @@ def test_draft_vocab_size_is_checked(chat_model, tiny_checkpoint):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("draft_dtype", ["float32", "float16"])
-def test_full_graph_with_a_sub_vocabulary_decodes_as_eager(chat_model, draft_dtype):
+def test_full_graph_with_a_sub_vocabulary_decodes_as_eager(chat_model):
     """The sub-vocabulary head inside the whole-step graph (an AOTInductor package on CPU) changes nothing, with the
-    drafts' weights as they are and in float16 (the package then multiplies with half_weight_linear.cpp)."""
+    drafts' weights in float16 (the package then multiplies with half_weight_linear.cpp). Float32 drafts in full are
+    in every full row of test_parity_matrix.py."""
     path, mtp, plain = chat_model
     prompts = ["ROMEO: But soft", "def fib(n):"]
     params = SamplingParams(max_tokens=24, ignore_eos=True)
     engine = dict(mtp=mtp, num_speculative_tokens=2, draft_vocab_size=48, max_seq_len=64, max_batch_size=2,
-                  show_progress=False, draft_dtype=draft_dtype)
+                  show_progress=False, draft_dtype="float16")
     eager = LLM(path, graph_mode="eager", **engine).generate(prompts, params)
     compiled = LLM(path, graph_mode="full", batch_buckets=(2,), prefill_buckets=(64,), **engine)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
         full = compiled.generate(prompts, params)
     kernel_calls = sum(event.name == "compiled_spec_cpu::half_weight_linear" for event in profile.events())
-    assert (kernel_calls > 0) == (draft_dtype == "float16"), kernel_calls
+    assert kernel_calls > 0, kernel_calls
     assert [o.token_ids for o in full] == [o.token_ids for o in eager] == \
         [o.token_ids for o in plain.generate(prompts, params)]
     assert [o.stats.accepted_per_position for o in full] == [o.stats.accepted_per_position for o in eager]

@@ -63,7 +63,7 @@ ROWS = [
     ("glm4_moe", "full", "k=2", "float32", "float"),
     ("llama", "compile", "ngram", "float32", "float"),
     ("qwen2", "piecewise", "ngram", "float32", "float"),
-    ("llama", "full", "ngram", "float32", "Q4_1"),
+    ("llama", "full", "ngram", "float32", "float"),
 ]
 ENGINE = dict(max_batch_size=4, max_seq_len=64, batch_buckets=(4,), prefill_buckets=(16,), show_progress=False)
 PROMPT_LENGTHS = [3, 14, 5, 20, 1, 12, 9]  # more than the slots; 20 prefills in eager, past the prefill bucket

@@ -3,7 +3,8 @@
 DecodeState.token_history holds every committed token t_0..t_{L-1} of a slot at its position. To draft, the last n
 committed tokens are looked up earlier in the same history, for each n of the drafter's sizes, longest first. Of the
 longest n that occurs, the latest occurrence that k committed tokens follow proposes those k tokens; if none does,
-the latest occurrence proposes what follows it up to t_{L-1}. A lane with no occurrence drafts nothing (its draft count is 0, so verification rejects its padded drafts).
+the latest occurrence proposes what follows it up to t_{L-1}. A lane with no occurrence drafts nothing (its draft
+count is 0, so verification rejects its padded drafts).
 
 The drafter is deterministic: its draft distribution q is one-hot at the proposed token. The rejection rule of
 sampler.verify_drafts is then exact for it: a draft x is accepted with probability p(x), and after a rejection the
@@ -33,7 +34,7 @@ def record_tokens(history: torch.Tensor, rows: torch.Tensor, first_position: tor
 def propose(history: torch.Tensor, seq_lens: torch.Tensor, k: int, sizes: tuple[int, ...] = SIZES):
     """Drafts for rows whose committed tokens are history [B, C]'s first seq_lens [B]: tokens [B, k] and how many of
     them are proposals [B] (0..k; the tokens past that count are padding)."""
-    batch, width = history.shape
+    width = history.shape[1]
     positions = torch.arange(width, device=history.device)
     last = (seq_lens - 1).clamp(min=0)
     best_end = torch.full_like(seq_lens, -1)
