@@ -15,7 +15,8 @@ import torch
 from compiled_spec import LLM, HiSparseConfig, SamplingParams
 from compiled_spec.compiler import cpu_partitions
 
-pytestmark = pytest.mark.slow
+# One worker builds each engine pair once for both tests (with -n 2, split tests would build it on each worker).
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("partition_engines")]
 
 ENGINE = dict(num_speculative_tokens=3, max_batch_size=2, max_seq_len=64, batch_buckets=(2,), prefill_buckets=(16,))
 # k=3: a pass writes up to 6 rows and reads 4 per query, so every step evicts.
