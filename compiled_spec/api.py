@@ -55,6 +55,7 @@ class LLM:
         quantize: str | None = None,
         draft_tree: "str | tuple[int, ...] | None" = None,
         drafter: str | None = None,
+        max_logprobs: int = 0,
     ):
         """num_speculative_tokens: drafts per step (k), or "auto": before each step, the k in
         0..max_speculative_tokens with the most expected tokens per second, from step times measured at warm-up
@@ -86,7 +87,10 @@ class LLM:
         tree or a chain of 0..max_speculative_tokens drafts.
         drafter: what proposes the drafts. "mtp": the MTP modules; "ngram": the request's own tokens (prompt lookup,
         speculative/ngram.py), which needs no trained weights and pays where the output repeats the prompt or
-        itself. Default: "mtp" for a model with MTP modules, else "ngram"."""
+        itself. Default: "mtp" for a model with MTP modules, else "ngram".
+        max_logprobs: 1..20 lets requests ask for logprobs (SamplingParams.logprobs up to this many): each step then
+        also returns every emitted token's log-probability under the target's raw distribution and the max_logprobs
+        most likely tokens (speculative/logprobs.py). 0, the default: off, and steps compute none."""
         self.path = resolve_model(model) or DEFAULT_MODEL
         mtp = mtp if mtp is not None else shipped_mtp_modules(self.path)
         self.mtp_path = None if mtp is None else Path(mtp)
@@ -105,6 +109,7 @@ class LLM:
             verify_graphs_every=verify_graphs_every,
             draft_tree=draft_tree,
             drafter=drafter,
+            max_logprobs=max_logprobs,
         )
         if draft_vocab_size is None:
             draft_vocab_size = default_draft_vocab_size(self.path, self.mtp_path)
@@ -134,6 +139,7 @@ class LLM:
         if warm_up:
             self.engine.startup.warm_up(show_progress)
         self._requests_made = itertools.count()  # seeds unseeded requests; next() is atomic across threads
+        self._sibling_indices = itertools.count(-1, -1)  # the engine's indices of choices 1..n-1
 
     @property
     def weight_format(self) -> str:
@@ -231,16 +237,38 @@ class LLM:
         return self.generate([chat_prompt(self.tokenizer, c) for c in conversations], sampling_params, on_tokens)
 
     def make_request(self, index: int, prompt: str | list[int], params: SamplingParams) -> Request:
-        """A checked request for the engine (a CompiledSpecError names what is wrong with the prompt)."""
+        """A checked request for the engine (a CompiledSpecError names what is wrong with the prompt). With n > 1 its
+        other choices are its siblings, with negative indices of their own."""
         prompt_ids = self._check_prompt(prompt)
         k = params.num_speculative_tokens
         if isinstance(k, int) and k > self.draft_slots:
             raise CompiledSpecError(f"num_speculative_tokens={k} is out of range for this engine; allowed "
                                     f"0..{self.draft_slots} (its most drafts per step) or 'auto'",
                                     param="num_speculative_tokens")
-        seed = params.seed if params.seed is not None else self.config.seed * 1_000_003 + next(self._requests_made)
-        output = RequestOutput(prompt_token_ids=prompt_ids, stats=SpecStats(self.draft_slots))
-        return Request(index, prompt_ids, params, seed, output)
+        if params.logprobs is not None and (not self.config.max_logprobs or params.logprobs > self.config.max_logprobs):
+            raise CompiledSpecError(
+                f"logprobs={params.logprobs} is out of range for this engine; allowed 0..{self.config.max_logprobs}"
+                if self.config.max_logprobs else
+                "logprobs need an engine started with max_logprobs > 0 (LLM(max_logprobs=5), serve --max-logprobs 5)",
+                param="logprobs")
+        if params.n > self.config.max_batch_size:
+            raise CompiledSpecError(f"n={params.n} is out of range for this engine; allowed "
+                                    f"1..{self.config.max_batch_size} (its max_batch_size: each choice takes a slot)",
+                                    param="n")
+        if params.n > 1 and self.config.hisparse is not None:
+            raise CompiledSpecError("n > 1 is not supported with HiSparse attention", param="n")
+        requests = []
+        for choice in range(params.n):
+            seed = (params.seed + choice) % 2**63 if params.seed is not None else \
+                self.config.seed * 1_000_003 + next(self._requests_made)
+            output = RequestOutput(prompt_token_ids=prompt_ids, stats=SpecStats(self.draft_slots),
+                                   logprobs=None if params.logprobs is None else [], index=choice)
+            requests.append(Request(index if choice == 0 else next(self._sibling_indices), prompt_ids, params, seed,
+                                    output))
+        if params.n > 1:
+            requests[0].siblings = requests[1:]
+            requests[0].output.choices = [request.output for request in requests]
+        return requests[0]
 
     @torch.inference_mode()
     def _teacher_forced_hidden(self, token_ids: list[int]):

@@ -16,7 +16,8 @@ import click
 from click.exceptions import NoArgsIsHelpError
 
 from .config import (DEFAULT_MAX_BATCH_SIZE, DEFAULT_MAX_SEQ_LEN, DEFAULT_MAX_SPECULATIVE_TOKENS,
-                     DEFAULT_NUM_SPECULATIVE_TOKENS, DRAFTERS, MAX_SPECULATIVE_TOKENS, GraphMode)
+                     DEFAULT_NUM_SPECULATIVE_TOKENS, DRAFTERS, MAX_LOGPROBS, MAX_SPECULATIVE_TOKENS,
+                     SERVE_MAX_LOGPROBS, GraphMode)
 
 GRAPH_MODES = tuple(mode.value for mode in GraphMode)
 # Mirror training.mtp_corpus (DOMAINS) and loading.checkpoint (QUANTIZE_TYPES) without importing torch; a test keeps
@@ -368,12 +369,17 @@ def generate(prompts, prompt_ids, temperature, top_p, top_k, max_tokens, stop, i
               show_default=True, help="Seconds a client has to send a whole request body (408 past it).")
 @click.option("--shutdown-timeout", "shutdown_timeout", type=click.FloatRange(0), default=30.0, show_default=True,
               help="On SIGTERM or Ctrl-C: seconds running responses get to finish before they are aborted.")
+@click.option("--max-logprobs", "max_logprobs", type=click.IntRange(0, MAX_LOGPROBS), default=SERVE_MAX_LOGPROBS,
+              show_default=True,
+              help="Requests may ask for logprobs with up to this many most likely tokens beside each one (chat's "
+                   "top_logprobs, completions' logprobs); every step then also computes them, from the verify pass it "
+                   "runs anyway. 0 turns logprobs off (a request that asks gets a 400).")
 @click.option("--step-log", "step_log", type=click.Path(dir_okay=False), default=None,
               help="Append one JSON line per decode step: the requests in the batch, drafts accepted, waiting.")
 @click.option("--log-level", "log_level", type=click.Choice(("critical", "error", "warning", "info", "debug")),
               default="info", show_default=True)
 def serve(host, port, api_key, served_model_name, max_queue, max_request_bytes, body_timeout, shutdown_timeout,
-          step_log, log_level, verify_graphs, **engine):
+          step_log, log_level, verify_graphs, max_logprobs, **engine):
     """Serve the model over HTTP with an OpenAI-compatible API.
 
     \b
@@ -384,8 +390,9 @@ def serve(host, port, api_key, served_model_name, max_queue, max_request_bytes, 
     Requests that arrive while others decode join the running batch at the next step (up to
     --max-batch-size); the rest wait in a queue. Each response's usage carries its speculative-decoding
     statistics (drafts, accepted per position, mean accepted length). Supported sampling parameters:
-    temperature, top_p, top_k, max_tokens, stop, seed, ignore_eos; anything else that would change the
-    output (n > 1, logprobs, penalties, tools) is a 400 naming the field. Per request: max_tokens and top_k
+    temperature, top_p, top_k, max_tokens, stop, seed, ignore_eos, logprobs (chat: logprobs and
+    top_logprobs), and this engine's speculation field; anything else that would change the output (n > 1,
+    penalties, tools) is a 400 naming the field. Per request: max_tokens and top_k
     up to 2**31-1, at most 16 stop strings of at most 256 characters each, temperature 0..100 (below 1e-5
     it decodes greedily).
 
@@ -413,7 +420,7 @@ def serve(host, port, api_key, served_model_name, max_queue, max_request_bytes, 
         click.echo(f"warning: serving on {host} without --api-key: anyone who can reach this address can use the "
                    "server", err=True)
     llm = make_llm(verify_graphs=SERVE_VERIFY_GRAPHS_EVERY if verify_graphs is None else verify_graphs,
-                   warm_up=False, **engine)  # the engine thread warms up
+                   warm_up=False, max_logprobs=max_logprobs, **engine)  # the engine thread warms up
     if verify_graphs is None and llm.engine.canary is not None:  # serve's default rate keeps under its budget
         llm.engine.canary.budget = SERVE_BUDGET
     if served_model_name:

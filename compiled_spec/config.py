@@ -178,6 +178,9 @@ DEFAULT_MAX_SEQ_LEN = 512
 AUTO = "auto"
 DRAFTERS = ("mtp", "ngram")  # speculative/ngram.py; docs/drafters.md
 DTYPES = ("float32", "bfloat16", "float16")
+# The most likely tokens a step can return beside each emitted token (OpenAI's top_logprobs allows up to 20).
+MAX_LOGPROBS = 20
+SERVE_MAX_LOGPROBS = 20  # serve's default: every request may ask (docs/serving.md, "Logprobs", for what it costs)
 
 
 def dtype_name(dtype, checkpoint_dtype: str | None) -> str:
@@ -256,6 +259,8 @@ class EngineConfig:
     verify_graphs_every: int = 0  # the graph canary checks every N-th step against eager; 0: off
     draft_tree: tuple[int, ...] | None = None  # widths per depth (speculative/tree.py); the k=len step verifies it
     drafter: str | None = None  # "mtp" or "ngram"; None: set by resolve_drafter, MTP where the model has modules
+    # Steps return each emitted token's log-probability and the max_logprobs most likely tokens (0: off, no cost).
+    max_logprobs: int = 0
 
     def torch_dtype(self):
         import torch
@@ -314,6 +319,10 @@ class EngineConfig:
         every = self.verify_graphs_every
         if isinstance(every, bool) or not isinstance(every, int) or every < 0:
             raise CompiledSpecError(f"verify_graphs_every={every!r} must be 0 (off) or a number of steps")
+        logprobs = self.max_logprobs
+        if isinstance(logprobs, bool) or not isinstance(logprobs, int) or not 0 <= logprobs <= MAX_LOGPROBS:
+            raise CompiledSpecError(f"max_logprobs={logprobs!r} is out of range; allowed 0 (off)..{MAX_LOGPROBS}",
+                                    param="max_logprobs")
         k = self.num_speculative_tokens
         if self.auto:
             limit = self.max_speculative_tokens

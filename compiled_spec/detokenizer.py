@@ -8,6 +8,8 @@ with its context. Text is committed only once the window does not end in U+FFFD 
 
 from __future__ import annotations
 
+from transformers.convert_slow_tokenizer import bytes_to_unicode
+
 REPLACEMENT = "\ufffd"
 
 
@@ -104,3 +106,24 @@ class TextStream:
             return ""
         new, self.shown = text[self.shown:end], end
         return new
+
+
+class TokenPieces:
+    """Each token's own text and bytes, as logprobs show them. A byte-level BPE token (GPT-2's, SmolLM2's) may hold
+    part of a character: its text then decodes to U+FFFD, while its bytes are the token's own, so the bytes of a
+    response's tokens join to its text. Other tokenizers' bytes are the UTF-8 of the token's text."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        byte_level = type(getattr(backend, "decoder", None)).__name__ == "ByteLevel"
+        self.byte_of = {char: byte for byte, char in bytes_to_unicode().items()} if byte_level else None
+
+    def text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
+
+    def bytes(self, token_id: int) -> bytes:
+        piece = self.tokenizer.convert_ids_to_tokens(token_id) if self.byte_of is not None else None
+        if piece is None or token_id in self.tokenizer.all_special_ids or any(c not in self.byte_of for c in piece):
+            return self.text(token_id).encode()
+        return bytes(self.byte_of[char] for char in piece)

@@ -5,13 +5,14 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from .config import MAX_SPECULATIVE_TOKENS
+from .config import MAX_LOGPROBS, MAX_SPECULATIVE_TOKENS
 from .errors import CompiledSpecError
 
 # Per-request caps. The engine keeps counts in int64 state; stop strings are matched against the text after every
 # step, in the engine thread and in the server's event loop, so their number and length are bounded.
 MAX_TOKENS_LIMIT = 2**31 - 1
 MAX_STOP_STRINGS = 16
+MAX_CHOICES = 256  # n; each choice takes a slot, and an engine has at most 256
 MAX_STOP_CHARACTERS = 256
 # A sampled row divides its logits by the temperature; below this it overflows float32, so it decodes greedily.
 MIN_SAMPLING_TEMPERATURE = 1e-5
@@ -30,6 +31,13 @@ class SamplingParams:
     # Drafts a step may verify for this request: 0..the engine's K, or None / "auto": as many as the engine's step
     # drafts (its k, or with -k auto the k it chooses). Lossless either way: it changes speed, never the distribution.
     num_speculative_tokens: int | str | None = None
+    # Log-probabilities of each emitted token under the target's raw distribution (log_softmax of the logits, before
+    # temperature, top-k and top-p), with this many of the most likely tokens beside it; None: none. 0..the engine's
+    # max_logprobs (LLM(max_logprobs=...), serve --max-logprobs).
+    logprobs: int | None = None
+    # Independent choices of one prompt: they share its prefill and decode in n slots. With a seed, choice i samples
+    # with seed + i, so it equals a request of its own with that seed.
+    n: int = 1
 
     def __post_init__(self):
         if (not isinstance(self.temperature, (int, float)) or not math.isfinite(self.temperature)
@@ -52,6 +60,13 @@ class SamplingParams:
                                               or not 0 <= k <= MAX_SPECULATIVE_TOKENS):
             raise CompiledSpecError(f"num_speculative_tokens={k!r} is invalid; allowed: an integer in "
                                     f"0..{MAX_SPECULATIVE_TOKENS} or 'auto'", param="num_speculative_tokens")
+        if self.logprobs is not None and (isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int)
+                                          or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise CompiledSpecError(f"logprobs={self.logprobs!r} is invalid; allowed: an integer in 0..{MAX_LOGPROBS} "
+                                    "(the most likely tokens shown beside each emitted one) or None", param="logprobs")
+        if isinstance(self.n, bool) or not isinstance(self.n, int) or not 1 <= self.n <= MAX_CHOICES:
+            raise CompiledSpecError(f"n={self.n!r} is invalid; allowed: an integer in 1..{MAX_CHOICES} (and at most "
+                                    "the engine's max_batch_size)", param="n")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         if isinstance(self.stop, (list, tuple)) and len(self.stop) > MAX_STOP_STRINGS:
@@ -135,6 +150,16 @@ class SpecStats:
 
 
 @dataclass
+class TokenLogprob:
+    """One emitted token's log-probability under the target's raw distribution, and the most likely tokens there
+    (best first, as many as the request's logprobs asked)."""
+
+    token_id: int
+    logprob: float
+    top_logprobs: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass
 class RequestOutput:
     prompt_token_ids: list[int]
     token_ids: list[int] = field(default_factory=list)
@@ -142,3 +167,7 @@ class RequestOutput:
     finish_reason: str | None = None  # "stop" (EOS or a stop string), "length", or "error"
     error: str | None = None
     stats: SpecStats | None = None
+    logprobs: list[TokenLogprob] | None = None  # one per token_ids entry, when the request asked for logprobs
+    index: int = 0  # which of the request's n choices this is
+    # With n > 1 the output LLM.generate returns for the prompt is choice 0's, and this lists all n (it first).
+    choices: list["RequestOutput"] | None = None

@@ -3,7 +3,8 @@ Qwen2, Qwen3, GLM-4.5 MoE), dtypes (float32, bfloat16), weights (float safetenso
 modules attached from a directory) and drafting (a k=2 chain, k = auto, the token tree (2, 2), and n-gram drafts, the
 default of a model without MTP modules), on batches of more requests than slots, of mixed prompt lengths (one past
 the prefill bucket), mixing greedy and seeded sampled requests, and requests that ask for fewer drafts than the
-engine's k (SamplingParams.num_speculative_tokens).
+engine's k (SamplingParams.num_speculative_tokens), and one of two choices (SamplingParams.n, one prefill for both).
+Every request asks for logprobs (speculative/logprobs.py).
 
 ROWS, 10 compiled engines, fit the suite's budget (each costs 35-240 s of compiling on one core; all 12 rows of a
 design where every two factors meet took 1,265 s): every level of every factor runs, `full` on two architectures
@@ -12,7 +13,8 @@ token tree and n-gram drafts in every mode. k = auto runs in compile only (auto 
 test_rows_meet_the_stated_coverage checks those claims.
 
 Float32 rows compare every request's tokens and, at each step it was in, the drafts it verified, how many it accepted
-and whether its path ended on a tree leaf, under fail_on_recompile, and no graph is made after warm-up. k = auto
+and whether its path ended on a tree leaf, under fail_on_recompile, and no graph is made after warm-up; and each
+emitted token's log-probability and top 3 with eager's and with the model's log_softmax under teacher forcing. k = auto
 chooses from timings, which differ between modes, so both engines follow one fixed schedule of chains
 (test_auto_k.ScheduledChooser); the compiled engine still holds a graph per k.
 
@@ -65,16 +67,19 @@ ROWS = [
     ("qwen2", "piecewise", "ngram", "float32", "float"),
     ("llama", "full", "ngram", "float32", "float"),
 ]
-ENGINE = dict(max_batch_size=4, max_seq_len=64, batch_buckets=(4,), prefill_buckets=(16,), show_progress=False)
+ENGINE = dict(max_batch_size=4, max_seq_len=64, batch_buckets=(4,), prefill_buckets=(16,), max_logprobs=3,
+              show_progress=False)
 PROMPT_LENGTHS = [3, 14, 5, 20, 1, 12, 9]  # more than the slots; 20 prefills in eager, past the prefill bucket
 
 
 def params(index: int, dtype: str) -> SamplingParams:
     """In float32 even requests greedy, odd ones sampled with a seed of their own; in bfloat16 all greedy. Requests 1
-    and 4 ask for speculation of their own (0 and 1 drafts), sharing steps with lanes at the engine's k."""
+    and 4 ask for speculation of their own (0 and 1 drafts), sharing steps with lanes at the engine's k; request 3
+    for two choices."""
     sampled = dict(temperature=0.9, top_p=0.95, seed=index) if index % 2 and dtype == "float32" else {}
     own_k = {1: 0, 4: 1}.get(index)
-    return SamplingParams(max_tokens=16, ignore_eos=True, num_speculative_tokens=own_k, **sampled)
+    return SamplingParams(max_tokens=16, ignore_eos=True, num_speculative_tokens=own_k, logprobs=3,
+                          n=2 if index == 3 else 1, **sampled)
 
 
 @pytest.fixture(scope="session")
@@ -108,16 +113,22 @@ def build(matrix_models, architecture, mode, drafting, dtype, weights) -> LLM:
     return llm
 
 
-def decode(llm: LLM, prompts, dtype: str) -> tuple[list[list[int]], list[list[tuple]]]:
-    """Every request's tokens, and at each step it was in: the drafts it verified, how many it accepted, and whether
-    its path ended on a leaf of the tree."""
+def decode(llm: LLM, prompts, dtype: str, logprobs: list | None = None) -> tuple[list[list[int]], list[list[tuple]]]:
+    """Every choice's tokens (each request's, a second choice's after the last), and at each step it was in: the
+    drafts it verified, how many it accepted, and whether its path ended on a leaf of the tree. logprobs: a list to
+    extend with every choice's TokenLogprobs."""
     records = record_steps(llm)
     outputs = llm.generate(prompts, [params(index, dtype) for index in range(len(prompts))])
-    steps: list[list[tuple]] = [[] for _ in prompts]
+    choices = outputs + [choice for output in outputs for choice in (output.choices or [])[1:]]
+    if logprobs is not None:
+        logprobs += [choice.logprobs for choice in choices]
+    steps: dict[int, list[tuple]] = {}  # by the engine's request index (a second choice's is negative)
     for record in records:
         for lane, (request, accepted) in enumerate(record.lanes):
-            steps[request].append((record.verified[lane], accepted, bool(record.on_leaf and record.on_leaf[lane])))
-    return [output.token_ids for output in outputs], steps
+            steps.setdefault(request, []).append(
+                (record.verified[lane], accepted, bool(record.on_leaf and record.on_leaf[lane])))
+    order = sorted(steps, key=lambda index: (index < 0, abs(index)))
+    return [choice.token_ids for choice in choices], [steps[index] for index in order]
 
 
 @pytest.mark.parametrize("architecture, mode, drafting, dtype, weights", ROWS,
@@ -127,7 +138,8 @@ def test_compiled_mode_equals_eager(matrix_models, architecture, mode, drafting,
     prompts = [torch.randint(2, vocab, (n,), generator=torch.Generator().manual_seed(n)).tolist()
                for n in PROMPT_LENGTHS]
     eager = build(matrix_models, architecture, "eager", drafting, dtype, weights)
-    eager_tokens, eager_steps = decode(eager, prompts, dtype)
+    eager_logprobs, compiled_logprobs = [], []
+    eager_tokens, eager_steps = decode(eager, prompts, dtype, eager_logprobs)
 
     llm = build(matrix_models, architecture, mode, drafting, dtype, weights)
     if weights != "float":
@@ -137,7 +149,7 @@ def test_compiled_mode_equals_eager(matrix_models, architecture, mode, drafting,
     prefill = runner.prefill
     runner.prefill = lambda *args: prefill_drafts.append(args[3]) or prefill(*args)
     with torch.compiler.set_stance("fail_on_recompile"):
-        tokens, steps = decode(llm, prompts, dtype)
+        tokens, steps = decode(llm, prompts, dtype, compiled_logprobs)
     assert after_warm_up > 0 and graphs_made(llm.engine.runner) == after_warm_up
 
     # Lanes with a k of their own verify no more than it (MTP lanes exactly it) in the steps they share with others.
@@ -160,12 +172,24 @@ def test_compiled_mode_equals_eager(matrix_models, architecture, mode, drafting,
         assert any(leaf for request in eager_steps for _, _, leaf in request)  # paths that ended on a leaf
     if drafting == "auto":  # k switched between admissions: requests were prefilled with drafts for different k
         assert len(set(prefill_drafts)) > 1, prefill_drafts
+    assert [len(entries) for entries in compiled_logprobs] == [len(request) for request in tokens]
     if dtype == "float32":
         assert tokens == eager_tokens
         assert steps == eager_steps
+        for prompt, got, want in zip(prompts + [prompts[3]], compiled_logprobs, eager_logprobs, strict=True):
+            reference = eager.logits(prompt + [entry.token_id for entry in want]).float().log_softmax(-1)
+            for position, (ours, theirs) in enumerate(zip(got, want), start=len(prompt) - 1):
+                assert ours.token_id == theirs.token_id
+                assert [i for i, _ in ours.top_logprobs] == [i for i, _ in theirs.top_logprobs]
+                expected = reference[position].topk(3)
+                assert [i for i, _ in theirs.top_logprobs] == expected.indices.tolist()
+                for entry, tolerance in ((ours, 1e-5), (theirs, 1e-5)):
+                    assert entry.logprob == pytest.approx(reference[position, entry.token_id].item(), abs=tolerance)
+                    assert [v for _, v in entry.top_logprobs] == pytest.approx(expected.values.tolist(), abs=tolerance)
         return
     tolerance = FLOAT_TOLERANCE[torch.bfloat16]
-    for prompt, got, want, got_steps, want_steps in zip(prompts, tokens, eager_tokens, steps, eager_steps):
+    for prompt, got, want, got_steps, want_steps in zip(prompts + [prompts[3]], tokens, eager_tokens, steps,
+                                                        eager_steps):
         if got == want:
             assert got_steps == want_steps
             continue

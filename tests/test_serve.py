@@ -19,7 +19,7 @@ from compiled_spec.benchmarks.live_server import running_server
 from serving import inbox, serve_command, wait_for, write_chat_model
 
 K = 2
-ENGINE = dict(num_speculative_tokens=K, max_batch_size=4, max_seq_len=192)
+ENGINE = dict(num_speculative_tokens=K, max_batch_size=4, max_seq_len=192, max_logprobs=20)  # serve's default
 SERVER_ARGS = ["-k", str(K), "--max-batch-size", "4", "--max-seq-len", "192", "--graph-mode", "eager",
                "--log-level", "warning"]
 API_KEY = "test-key-123"
@@ -116,6 +116,79 @@ def test_seeded_sampling_equals_generate(server, offline):
     assert got.choices[0].text == want.text
 
 
+def test_logprobs_of_sampled_tokens_under_speculation_equal_the_engines_streamed_and_not(server, offline):
+    """Chat's logprobs and top_logprobs, the completions' logprobs: N, in OpenAI's shapes as the client parses them."""
+    client = server.client()
+    messages = [{"role": "user", "content": "Who is Juliet?"}]
+    want = offline.chat(messages, SamplingParams(temperature=0.9, seed=5, max_tokens=20, ignore_eos=True,
+                                                 logprobs=3))[0]
+    assert want.stats.accepted > 0  # accepted drafts among the tokens
+    ask = dict(model="tiny", messages=messages, max_tokens=20, temperature=0.9, seed=5, logprobs=True, top_logprobs=3,
+               extra_body={"ignore_eos": True})
+    whole = client.chat.completions.create(**ask).choices[0].logprobs.content
+    streamed = [entry for chunk in client.chat.completions.create(**ask, stream=True)
+                if chunk.choices and chunk.choices[0].logprobs for entry in chunk.choices[0].logprobs.content]
+    text = offline.tokenizer.decode
+    for content in (whole, streamed):
+        assert [entry.token for entry in content] == [text([e.token_id]) for e in want.logprobs]
+        assert [entry.logprob for entry in content] == pytest.approx([e.logprob for e in want.logprobs], abs=1e-6)
+        for entry, expected in zip(content, want.logprobs, strict=True):
+            assert [top.token for top in entry.top_logprobs] == [text([i]) for i, _ in expected.top_logprobs]
+            assert [top.logprob for top in entry.top_logprobs] == pytest.approx(
+                [lp for _, lp in expected.top_logprobs], abs=1e-6)
+    # Each token's own bytes: a token that holds part of a character has no text of its own, but its bytes join
+    assert b"".join(bytes(entry.bytes) for entry in whole).decode(errors="replace") == want.text
+    assert any("\ufffd" in entry.token for entry in whole)  # this test's sampled text has such tokens
+
+    want = offline.generate(PROMPTS[0], greedy(16, ignore_eos=True, logprobs=2))[0]
+    ask = dict(model="tiny", prompt=PROMPTS[0], max_tokens=16, temperature=0, logprobs=2,
+               extra_body={"ignore_eos": True})
+    whole = client.completions.create(**ask).choices[0].logprobs
+    pieces = [chunk.choices[0].logprobs for chunk in client.completions.create(**ask, stream=True)
+              if chunk.choices and chunk.choices[0].logprobs]
+    streamed = {name: [value for piece in pieces for value in getattr(piece, name)]
+                for name in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
+    for got in (whole.model_dump(), streamed):
+        assert got["tokens"] == [text([e.token_id]) for e in want.logprobs]
+        assert got["token_logprobs"] == pytest.approx([e.logprob for e in want.logprobs], abs=1e-6)
+        # a dict by token text, as OpenAI's legacy shape is: tokens of one text (two halves of characters) share a key
+        assert [list(top) for top in got["top_logprobs"]] == [list({text([i]): 0 for i, _ in e.top_logprobs})
+                                                               for e in want.logprobs]
+        assert got["text_offset"] == [len("".join(got["tokens"][:i])) for i in range(len(got["tokens"]))]
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model="tiny", messages=messages, max_tokens=2, top_logprobs=2)
+    assert caught.value.body["param"] == "top_logprobs" and "needs logprobs=true" in caught.value.body["message"]
+
+
+def test_n_choices_each_equal_a_request_with_its_seed_streamed_and_not(server, offline):
+    client = server.client()
+    messages = [{"role": "user", "content": "Who is Romeo?"}]
+    want = [offline.chat(messages, SamplingParams(temperature=0.9, seed=21 + i, max_tokens=12, ignore_eos=True))[0]
+            for i in range(3)]
+    assert len({w.text for w in want}) > 1
+    ask = dict(model="tiny", messages=messages, max_tokens=12, temperature=0.9, seed=21, n=3,
+               extra_body={"ignore_eos": True})
+    got = client.chat.completions.create(**ask)
+    assert [choice.index for choice in got.choices] == [0, 1, 2]
+    assert [choice.message.content for choice in got.choices] == [w.text for w in want]
+    assert got.usage.prompt_tokens == len(want[0].prompt_token_ids)  # the prompt once: its prefill ran once
+    assert got.usage.completion_tokens == sum(len(w.token_ids) for w in want)
+    assert got.usage.model_extra["spec_decode"]["num_drafts"] == sum(w.stats.steps for w in want)
+    texts, finished = ["", "", ""], [None] * 3
+    for chunk in client.chat.completions.create(**ask, stream=True):
+        for choice in chunk.choices:
+            texts[choice.index] += choice.delta.content or ""
+            finished[choice.index] = choice.finish_reason or finished[choice.index]
+    assert texts == [w.text for w in want] and finished == ["length"] * 3
+    whole = client.completions.create(model="tiny", prompt=PROMPTS[1], max_tokens=8, temperature=0.9, seed=3, n=2,
+                                      logprobs=1)
+    for index, choice in enumerate(whole.choices):
+        single = offline.generate(PROMPTS[1], SamplingParams(temperature=0.9, seed=3 + index, max_tokens=8,
+                                                             logprobs=1))[0]
+        assert choice.text == single.text
+        assert choice.logprobs.token_logprobs == pytest.approx([e.logprob for e in single.logprobs], abs=1e-5)
+
+
 def test_sixteen_concurrent_streams_join_running_batches_and_lose_nothing(server, offline):
     client = server.client()
     jobs = [(PROMPTS[i % len(PROMPTS)] * (1 + i % 3), 6 + (i * 7) % 40) for i in range(16)]
@@ -184,8 +257,8 @@ BAD_COMPLETIONS = [
     (dict(top_p=7), 400, "top_p"),
     (dict(model="no-such-model"), 404, "model"),
     (dict(prompt="ROMEO: " * 400), 400, "prompt"),
-    (dict(n=2), 400, "n"),
-    (dict(logprobs=3), 400, "logprobs"),
+    (dict(n=5), 400, "n"),  # past the server's 4 slots
+    (dict(logprobs=21), 400, "logprobs"),
     (dict(extra_body={"best_temperature": 1}), 400, "best_temperature"),
 ]
 

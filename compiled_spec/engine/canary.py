@@ -58,8 +58,14 @@ TRASH_ROW_FIELDS = ("main_keys", "main_values", "draft_keys", "draft_values", "i
                     "hot_positions", "hot_last_used", "token_history")
 
 
+# Fields of token ids ranked by a float field: where two ranks' values tie within the float tolerance, compiled and
+# eager may order them either way, so an id may differ where the ranked values agree.
+RANKED_BY = {"step_top_ids": "step_top_logprobs"}
+
+
 def first_difference(compiled: DecodeState, eager: DecodeState, step: int) -> Divergence | None:
     """The first field (in field order) where the compiled state differs from the eager one, or None."""
+    eager_fields = dict(eager.named_tensors())
     for (name, got), (_, want) in zip(compiled.named_tensors(), eager.named_tensors()):
         if name.split("[")[0].rsplit(".", 1)[-1] in TRASH_ROW_FIELDS:
             got, want = got[:, :-1], want[:, :-1]
@@ -67,10 +73,13 @@ def first_difference(compiled: DecodeState, eager: DecodeState, step: int) -> Di
         unequal = (got != want).nonzero()  # [n, 2]: (lane, element); a KV cache differs in this step's rows only
         if unequal.shape[0] == 0:
             continue
-        if got.is_floating_point():
-            rtol, atol = FLOAT_TOLERANCE.get(got.dtype, FLOAT_TOLERANCE[torch.float32])
+        if got.is_floating_point() or name in RANKED_BY:
+            values = (got, want) if got.is_floating_point() else (
+                getattr(compiled, RANKED_BY[name]).reshape(got.shape), eager_fields[RANKED_BY[name]].reshape(got.shape))
+            rtol, atol = FLOAT_TOLERANCE.get(values[0].dtype, FLOAT_TOLERANCE[torch.float32])
             lanes, elements = unequal.unbind(1)
-            close = torch.isclose(got[lanes, elements], want[lanes, elements], rtol=rtol, atol=atol, equal_nan=True)
+            close = torch.isclose(values[0][lanes, elements], values[1][lanes, elements], rtol=rtol, atol=atol,
+                                  equal_nan=True)
             unequal = unequal[~close]
             if unequal.shape[0] == 0:
                 continue

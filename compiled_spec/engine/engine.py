@@ -19,7 +19,7 @@ from ..compiler.step_runner import StepRunner
 from ..config import EngineConfig, GraphMode
 from ..detokenizer import IncrementalDetokenizer
 from ..model.causal_lm import CausalLM
-from ..params import MIN_SAMPLING_TEMPERATURE
+from ..params import MIN_SAMPLING_TEMPERATURE, TokenLogprob
 from ..speculative.state import move_slot
 from ..speculative.step import Drafts
 from .buckets import pick_bucket
@@ -56,7 +56,8 @@ class Engine:
         self.step_seconds: list[float] = []  # wall time of each step of run(), the host copy of its results included
         self.steps_run = 0
         self.last_num_drafts: int | None = None  # k of the last step
-        self.eager_prefills = 0  # prompts longer than every prefill bucket, prefilled in eager at their own length
+        self.eager_prefills = 0  # prompts longer than every prefill bucket (or of n choices), prefilled in eager
+        self.prefills = 0  # main-model passes over a prompt: one per request, whatever its n
         self.canary = GraphCanary(config.verify_graphs_every) if config.verify_graphs_every else None
         self.switches: list[int] = []  # steps_run at each use_runner after the first runner
         self.fallbacks: list[GraphMode] = []  # the mode of each fall_back
@@ -131,16 +132,17 @@ class Engine:
     def has_work(self) -> bool:
         return bool(self.waiting or self.slots)
 
-    def has_free_slot(self) -> bool:
-        return len(self.slots) < self.config.max_batch_size
+    def has_free_slot(self, needed: int = 1) -> bool:
+        return len(self.slots) + needed <= self.config.max_batch_size
 
     def admit_waiting(self, on_tokens: TokenCallback | None = None,
                       on_error: Callable[[Request, Exception], None] | None = None,
                       on_admitting: Callable[[Request], None] | None = None) -> list[Request]:
-        """Admits waiting requests, oldest first, while slots are free (between steps); returns those their first
-        token finished. A request whose admission raises goes to on_error (without one, the error propagates)."""
+        """Admits waiting requests, oldest first, while slots are free (between steps; a request of n choices waits for
+        n); returns those their first token finished. A request whose admission raises goes to on_error (without one,
+        the error propagates)."""
         finished = []
-        while self.waiting and self.has_free_slot():
+        while self.waiting and self.has_free_slot(self.waiting[0].slots_needed):
             request = self.waiting.popleft()
             if on_admitting is not None:
                 on_admitting(request)
@@ -153,22 +155,25 @@ class Engine:
         return finished
 
     def admit(self, request: Request, on_tokens: TokenCallback | None = None) -> list[Request]:
-        """Prefills `request` into the next free slot (between steps); returns it if its first token finished it."""
-        if not self.has_free_slot():
-            raise RuntimeError("admit() needs a free slot; check has_free_slot() first")
+        """Prefills `request` into the next free slot, and its other choices (n > 1) into the slots after it, with one
+        pass of the main model (between steps); returns those their first token finished."""
+        choices = [request] + request.siblings
+        if not self.has_free_slot(len(choices)):
+            raise RuntimeError("admit() needs a free slot for each choice; check has_free_slot() first")
         slot = len(self.slots)
         params = request.params
         state = self.state
         sampled = params.temperature >= MIN_SAMPLING_TEMPERATURE  # a tinier one would overflow the logits
-        state.temperature[slot] = float(params.temperature) if sampled else 0.0
-        state.top_k[slot] = params.top_k
-        state.top_p[slot] = float(params.top_p)
-        state.seeds[slot] = request.seed
-        state.ignore_eos[slot] = params.ignore_eos
-        state.max_new_tokens[slot] = params.max_tokens
-        state.draft_limits[slot] = self.draft_limit(params)
-        state.generated[slot] = 0
-        state.done[slot] = False
+        for lane, choice in enumerate(choices, start=slot):
+            state.temperature[lane] = float(params.temperature) if sampled else 0.0
+            state.top_k[lane] = params.top_k
+            state.top_p[lane] = float(params.top_p)
+            state.seeds[lane] = choice.seed
+            state.ignore_eos[lane] = params.ignore_eos
+            state.max_new_tokens[lane] = params.max_tokens
+            state.draft_limits[lane] = self.draft_limit(params)
+            state.generated[lane] = 0
+            state.done[lane] = False
         length = len(request.prompt_ids)
         bucketed = length <= self.prefill_buckets[-1]
         widths = self.runner.prefill_widths
@@ -179,14 +184,18 @@ class Engine:
         device = state.seq_lens.device
         prompt = torch.zeros(1, width, dtype=torch.int64, device=device)
         prompt[0, :length] = torch.tensor(request.prompt_ids, dtype=torch.int64)
-        prefill = self.runner.prefill if bucketed else self.runner.prefill_eager
+        # n choices prefill in eager: the compiled prefills fill one slot.
+        prefill = self.runner.prefill if bucketed and len(choices) == 1 else self.runner.prefill_eager
         drafts = self._prefill_drafts()
-        prefill(torch.tensor([slot], device=device), prompt, torch.tensor([length], device=device), drafts)
-        self.eager_prefills += not bucketed
-        if params.stop and self.tokenizer is not None:
-            request.detokenizer = IncrementalDetokenizer(self.tokenizer, params.stop)
-        self.slots.append(request)
-        finished, *_ = self._collect(slot + 1, on_tokens, first_slot=slot, record_stats=False)
+        slots = torch.arange(slot, slot + len(choices), device=device)
+        prefill(slots, prompt, torch.tensor([length], device=device), drafts)
+        self.eager_prefills += prefill == self.runner.prefill_eager
+        self.prefills += 1
+        for choice in choices:
+            if params.stop and self.tokenizer is not None:
+                choice.detokenizer = IncrementalDetokenizer(self.tokenizer, params.stop)
+            self.slots.append(choice)
+        finished, *_ = self._collect(slot + len(choices), on_tokens, first_slot=slot, record_stats=False)
         return finished
 
     def draft_limit(self, params) -> int:
@@ -254,6 +263,7 @@ class Engine:
              s.step_verified[first_slot:end, None], s.step_on_leaf[first_slot:end, None].long(),
              s.done[first_slot:end, None].long()], dim=1
         ).tolist()
+        logprobs = self._read_logprobs(first_slot, end, [row[: self.max_drafts + 1] for row in packed])
         finished, finished_slots, lanes, verified_counts, on_leaf, lane_drafts = [], [], [], [], [], []
         for offset, row in enumerate(packed):
             slot = first_slot + offset
@@ -271,6 +281,8 @@ class Engine:
             kept = len(request.output.token_ids)
             stopped = self._append(request, tokens[:count])
             new_tokens = request.output.token_ids[kept:]  # a stop string drops the tokens after it
+            if request.output.logprobs is not None:
+                request.output.logprobs += logprobs(offset, len(new_tokens), request.params.logprobs)
             if on_tokens is not None and new_tokens:
                 on_tokens(request.index, new_tokens)
             if done or stopped:
@@ -280,6 +292,22 @@ class Engine:
         for slot in reversed(finished_slots):
             self._free(slot)
         return finished, lanes, verified_counts, on_leaf, lane_drafts
+
+    def _read_logprobs(self, first_slot: int, end: int, tokens: list[list[int]]):
+        """What the last call wrote of the emitted `tokens`' log-probabilities (one more copy, made only when a request
+        in first_slot..end-1 asked for them): a function (lane offset, tokens, top N) -> [TokenLogprob]."""
+        s = self.state
+        if s.step_logprobs is None or all(r.params.logprobs is None for r in self.slots[first_slot:end]):
+            return lambda offset, count, top: []
+        chosen, top_values, top_ids = (s.step_logprobs[first_slot:end].tolist(),
+                                       s.step_top_logprobs[first_slot:end].tolist(),
+                                       s.step_top_ids[first_slot:end].tolist())
+
+        def lane(offset: int, count: int, top: int) -> list[TokenLogprob]:
+            return [TokenLogprob(tokens[offset][j], chosen[offset][j],
+                                 list(zip(top_ids[offset][j][:top], top_values[offset][j][:top])))
+                    for j in range(count)]
+        return lane
 
     def _append(self, request: Request, new_tokens: list[int]) -> bool:
         """Adds tokens; returns True when a stop string appeared (tokens after it are dropped)."""

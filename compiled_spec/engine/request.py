@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
 from ..detokenizer import IncrementalDetokenizer
@@ -22,6 +22,11 @@ class Request:
     seed: int
     output: RequestOutput
     detokenizer: IncrementalDetokenizer | None = None  # with stop strings: the text so far, to find them in
+    siblings: list["Request"] = field(default_factory=list)  # choices 1..n-1 (n > 1), admitted with this one
+
+    @property
+    def slots_needed(self) -> int:
+        return 1 + len(self.siblings)
 
 
 @dataclass

@@ -30,7 +30,7 @@ from ..api import LLM
 from ..chat import chat_prompt
 from ..errors import CompiledSpecError
 from ..params import RequestOutput
-from ..detokenizer import TextStream
+from ..detokenizer import TextStream, TokenPieces
 from .engine_loop import EngineLoop, Pending, QueueFull, ShuttingDown
 from .metrics import ServerMetrics
 from .protocol import (COMPLETIONS_DEFAULT_MAX_TOKENS, PROMPT_CHARACTERS_PER_TOKEN, APIError, ChatCompletionRequest,
@@ -69,6 +69,7 @@ def create_app(llm: LLM, options: ServerOptions) -> FastAPI:
     metrics = ServerMetrics(options.model_name, llm.draft_slots, llm.config.drafter)
     loop = EngineLoop(llm.engine, metrics, options.max_queue, options.step_log)
     tokenizer = copy.deepcopy(llm.tokenizer)  # the event loop's: streamed text
+    pieces = TokenPieces(tokenizer)  # and logprobs' tokens
     # Prompts are rendered and tokenized on one thread of their own with a copy of the tokenizer used nowhere else
     # (a fast tokenizer is not safe to share between threads): a long prompt never stalls the event loop.
     encoder = copy.deepcopy(llm.tokenizer)
@@ -184,11 +185,12 @@ def create_app(llm: LLM, options: ServerOptions) -> FastAPI:
     def encode_chat(conversation: list[dict]) -> list[int]:  # on the tokenizer thread only
         return encode(chat_prompt(encoder, conversation))
 
-    def submit(prompt_ids: list[int], params, param: str, shape: ResponseShape) -> Pending:
+    def submit(prompt_ids: list[int], params, param: str, shape: ResponseShape, body) -> Pending:
         try:
             engine_request = llm.make_request(next(request_numbers), prompt_ids, params)
         except CompiledSpecError as error:
-            raise wire_error(error, param=param if error.param == "prompt" else None) from None
+            named = {"prompt": param, "logprobs": body.LOGPROBS_FIELD}.get(error.param)
+            raise wire_error(error, param=named) from None
         pending = Pending(engine_request, asyncio.Queue(), asyncio.get_running_loop(), request_id=shape.id)
         retry = {"Retry-After": str(options.retry_after_s)}
         try:
@@ -208,7 +210,7 @@ def create_app(llm: LLM, options: ServerOptions) -> FastAPI:
         if body.stream:
             return StreamingResponse(stream(pending, body, shape), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
-        hung_up, event = asyncio.ensure_future(wait_for_disconnect(request)), None
+        hung_up, event, outputs = asyncio.ensure_future(wait_for_disconnect(request)), None, {}
         try:
             while True:
                 event = asyncio.ensure_future(pending.events.get())
@@ -219,7 +221,10 @@ def create_app(llm: LLM, options: ServerOptions) -> FastAPI:
                 if kind == "error":
                     return JSONResponse(internal_error_body(pending.request_id), status_code=500)
                 if kind == "done":
-                    return JSONResponse(shape.whole(value))
+                    choice, output = value
+                    outputs[choice] = output
+                    if len(outputs) == len(pending.choices):
+                        return JSONResponse(shape.whole([outputs[i] for i in range(len(outputs))]))
         finally:
             hung_up.cancel()
             if event is not None:
@@ -231,24 +236,31 @@ def create_app(llm: LLM, options: ServerOptions) -> FastAPI:
         def event(data: dict) -> str:
             return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
 
-        text = TextStream(tokenizer, pending.request.params.stop)
+        texts = [TextStream(tokenizer, pending.request.params.stop) for _ in pending.choices]
+        outputs: dict[int, RequestOutput] = {}
         try:
             if shape.chat:
-                yield event(shape.chunk("", first=True))
+                for choice in range(len(texts)):
+                    yield event(shape.chunk("", first=True, choice=choice))
             while True:
                 kind, value = await pending.events.get()
                 if kind == "tokens":
-                    new_text = text.add(value)
-                    if new_text:
-                        yield event(shape.chunk(new_text))
+                    choice, token_ids, logprobs = value
+                    new_text = texts[choice].add(token_ids)
+                    if new_text or logprobs:
+                        yield event(shape.chunk(new_text, logprobs=logprobs, choice=choice))
                     continue
                 if kind == "error":
                     yield event(internal_error_body(pending.request_id))
                 else:
-                    output: RequestOutput = value
-                    yield event(shape.chunk(text.finish(output.text), finish_reason=output.finish_reason))
+                    choice, output = value
+                    outputs[choice] = output
+                    yield event(shape.chunk(texts[choice].finish(output.text), finish_reason=output.finish_reason,
+                                            choice=choice))
+                    if len(outputs) < len(texts):
+                        continue
                     if body.include_usage:
-                        yield event(shape.usage_chunk(output))
+                        yield event(shape.usage_chunk([outputs[i] for i in range(len(outputs))]))
                 yield "data: [DONE]\n\n"
                 return
         finally:  # the client went away (the generator is closed or cancelled) or the response ended
@@ -269,8 +281,8 @@ def create_app(llm: LLM, options: ServerOptions) -> FastAPI:
             prompt_ids = await off_the_loop(encode, text)
         else:
             prompt_ids = body.prompt
-        shape = ResponseShape(chat=False, model=options.model_name)
-        return await respond(request, submit(prompt_ids, params, "prompt", shape), body, shape)
+        shape = ResponseShape(chat=False, model=options.model_name, pieces=pieces)
+        return await respond(request, submit(prompt_ids, params, "prompt", shape, body), body, shape)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
@@ -284,8 +296,8 @@ def create_app(llm: LLM, options: ServerOptions) -> FastAPI:
             prompt_ids = await off_the_loop(encode_chat, conversation)
         except CompiledSpecError as error:
             raise APIError(400, str(error), param=error.param) from None
-        shape = ResponseShape(chat=True, model=options.model_name)
-        pending = submit(prompt_ids, params, "messages", shape)
+        shape = ResponseShape(chat=True, model=options.model_name, pieces=pieces)
+        pending = submit(prompt_ids, params, "messages", shape, body)
         return await respond(request, pending, body, shape)
 
     def model_card() -> dict:

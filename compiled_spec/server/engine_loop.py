@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..engine.engine import Engine, Request
-from ..params import RequestOutput
+from ..params import RequestOutput, TokenLogprob
 from .metrics import ServerMetrics
 
 log = logging.getLogger("compiled_spec.server")
@@ -32,9 +32,10 @@ class ShuttingDown(Exception):
 
 @dataclass(eq=False)
 class Pending:
-    """One request on its way through the loop, and the handler's queue of its events:
-    ("tokens", [ids]), then ("done", RequestOutput) or ("error", message). The message is for the server's log;
-    a client is told only request_id (the id of its response), which the log names beside it."""
+    """One request on its way through the loop, and the handler's queue of its events: for each of its n choices
+    ("tokens", (choice, [ids], [TokenLogprob] or None)) and then ("done", (choice, RequestOutput)); or once
+    ("error", message). The message is for the server's log; a client is told only request_id (the id of its
+    response), which the log names beside it."""
 
     request: Request
     events: asyncio.Queue
@@ -43,10 +44,15 @@ class Pending:
     arrived: float = field(default_factory=time.monotonic)
     last_token_at: float | None = None
     ended: bool = False
+    running: set[int] = field(default_factory=set)  # the engine indices of its choices that have not ended
 
     @property
     def index(self) -> int:
         return self.request.index
+
+    @property
+    def choices(self) -> list[Request]:
+        return [self.request] + self.request.siblings
 
     def send(self, kind: str, value) -> None:
         try:
@@ -175,7 +181,9 @@ class EngineLoop:
             if kind == "stop":
                 return False
             if kind == "add":
-                self._pending[value.index] = value
+                value.running = {choice.index for choice in value.choices}
+                for choice in value.choices:
+                    self._pending[choice.index] = value
                 self.engine.add(value.request)
             elif kind == "abort":
                 pending = self._pending.get(value)
@@ -186,6 +194,7 @@ class EngineLoop:
     def _admission_failed(self, request: Request, error: Exception) -> None:
         """A fault of the engine, not of the request: report it, keep serving."""
         pending = self._pending[request.index]
+        pending.running.clear()  # none of its choices was admitted
         log.exception("prefill failed for request %s", pending.request_id, exc_info=error)
         self._fail(pending, f"prefill failed: {error}")
 
@@ -210,46 +219,64 @@ class EngineLoop:
 
     def _on_tokens(self, index: int, token_ids: list[int]) -> None:
         pending = self._pending[index]
+        request = next(choice for choice in pending.choices if choice.index == index)
         now = time.monotonic()
         if pending.last_token_at is None:
             self.metrics.time_to_first_token.observe(now - pending.arrived)
         else:
             self.metrics.inter_token_latency.observe(now - pending.last_token_at)
         pending.last_token_at = now
-        pending.send("tokens", token_ids)
+        logprobs = request.output.logprobs  # the engine appended the tokens' entries before this call
+        pending.send("tokens", (request.output.index, token_ids,
+                                None if logprobs is None else logprobs[len(logprobs) - len(token_ids):]))
 
     def _ended(self, requests: list[Request]) -> None:
         for request in requests:
-            self._end(self._pending[request.index], request.output)
+            self._end_choice(self._pending[request.index], request)
+
+    def _end_choice(self, pending: Pending, request: Request) -> None:
+        """One choice finished; the response ends with its last."""
+        self._pending.pop(request.index, None)
+        pending.running.discard(request.index)
+        self.metrics.record_finished(request.output, time.monotonic() - pending.arrived)
+        pending.ended = not pending.running
+        pending.send("done", (request.output.index, request.output))
 
     def _abort(self, pending: Pending) -> None:
         if any(request is pending.request for request in self.engine.waiting):
             self._dequeued()
-        self.engine.abort(pending.index)
-        self._end(pending, pending.request.output)
+        for choice in pending.choices:
+            if choice.index in pending.running:
+                self.engine.abort(choice.index)
+                choice.output.finish_reason = choice.output.finish_reason or "abort"  # a sibling still waiting
+                self._end_choice(pending, choice)
 
     def _fail_running(self, what: str, error: Exception) -> None:
-        running = [self._pending[request.index] for request in self.engine.slots]
+        running = list(dict.fromkeys(self._pending[request.index] for request in self.engine.slots))
         log.error("%s; failing the %d running requests (%s)", what, len(running),
                   ", ".join(p.request_id for p in running) or "none", exc_info=error)
         for pending in running:
             self._fail(pending, f"{what}: {error}")
 
     def _fail(self, pending: Pending, message: str) -> None:
-        if any(request is pending.request for request in self.engine.slots):
-            try:
-                self.engine.abort(pending.index)
-            except Exception:  # the slot stays taken, but the request still gets its answer
-                log.exception("freeing the slot of request %s failed", pending.request_id)
+        for choice in pending.choices:
+            if any(request is choice for request in self.engine.slots):
+                try:
+                    self.engine.abort(choice.index)
+                except Exception:  # the slot stays taken, but the request still gets its answer
+                    log.exception("freeing the slot of request %s failed", pending.request_id)
         output = pending.request.output
         output.finish_reason, output.error = "error", message
         self._end(pending, output, error=message)
 
-    def _end(self, pending: Pending, output: RequestOutput, error: str | None = None) -> None:
-        self._pending.pop(pending.index, None)
+    def _end(self, pending: Pending, output: RequestOutput, error: str) -> None:
+        """The response ends with an error, whatever its choices did."""
+        for choice in pending.choices:
+            self._pending.pop(choice.index, None)
+        pending.running.clear()
         pending.ended = True
         self.metrics.record_finished(output, time.monotonic() - pending.arrived)
-        pending.send("error" if error else "done", error or output)
+        pending.send("error", error)
 
     def _dequeued(self) -> None:
         with self._lock:

@@ -95,7 +95,9 @@ class ServerMetrics:
                 self._per_pos[position].inc()
 
     def record_finished(self, output: RequestOutput, seconds: float) -> None:
-        self.prompt_tokens.inc(len(output.prompt_token_ids))
+        """One choice ended (a request of n choices counts its prompt once, with choice 0, and n finishes)."""
+        if output.index == 0:
+            self.prompt_tokens.inc(len(output.prompt_token_ids))
         self.generation_tokens.inc(len(output.token_ids))
         self.request_success.labels(self.model_name, output.finish_reason or "error").inc()
         self.e2e_latency.observe(seconds)

@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from ..detokenizer import TokenPieces
 from ..errors import CompiledSpecError
-from ..params import RequestOutput, SamplingParams, SpecStats
+from ..params import RequestOutput, SamplingParams, SpecStats, TokenLogprob
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 PROMPT_CHARACTERS_PER_TOKEN = 32  # a prompt longer than this many characters per token of the context is refused
@@ -111,7 +112,6 @@ class _Common(BaseModel):
     def unsupported(self) -> dict[str, Any]:
         """Fields set to something the engine cannot do: {name: value}."""
         asked = {
-            "n": self.n not in (None, 1),
             "presence_penalty": self.presence_penalty not in (None, 0),
             "frequency_penalty": self.frequency_penalty not in (None, 0),
             "logit_bias": bool(self.logit_bias),
@@ -133,9 +133,16 @@ class _Common(BaseModel):
                 max_tokens=default_max_tokens if self.max_tokens is None else self.max_tokens,
                 stop=self.stop, seed=self.seed, ignore_eos=self.ignore_eos,
                 num_speculative_tokens=self.speculation.num_speculative_tokens if self.speculation else None,
+                logprobs=self.requested_logprobs(), n=1 if self.n is None else self.n,
             )
         except CompiledSpecError as error:
-            raise wire_error(error) from None
+            raise wire_error(error, param=self.LOGPROBS_FIELD if error.param == "logprobs" else None) from None
+
+    LOGPROBS_FIELD: ClassVar[str] = "logprobs"  # the request field that sets SamplingParams.logprobs
+
+    def requested_logprobs(self) -> int | None:
+        """SamplingParams.logprobs: how many of the most likely tokens to return beside each one, None: none."""
+        return None
 
     @property
     def include_usage(self) -> bool:
@@ -151,13 +158,16 @@ class CompletionRequest(_Common):
 
     def unsupported(self) -> dict[str, Any]:
         asked = super().unsupported()
-        for name, bad in (("echo", self.echo), ("logprobs", self.logprobs is not None),
-                          ("best_of", self.best_of not in (None, 1)), ("suffix", self.suffix is not None)):
+        for name, bad in (("echo", self.echo), ("best_of", self.best_of not in (None, 1)),
+                          ("suffix", self.suffix is not None)):
             if bad:
                 asked[name] = getattr(self, name)
         if isinstance(self.prompt, list) and len(self.prompt) > 1 and all(isinstance(p, str) for p in self.prompt):
             asked["prompt"] = f"a list of {len(self.prompt)} strings (send one prompt per request)"
         return asked
+
+    def requested_logprobs(self) -> int | None:
+        return self.logprobs
 
     @property
     def prompt_text(self) -> str | None:
@@ -207,13 +217,19 @@ class ChatCompletionRequest(_Common):
 
     def unsupported(self) -> dict[str, Any]:
         asked = super().unsupported()
-        no_ops = {"logprobs": (None, False), "top_logprobs": (None,), "tools": (None, []), "tool_choice": (None, "none"),
-                  "response_format": (None, {"type": "text"})}
+        no_ops = {"tools": (None, []), "tool_choice": (None, "none"), "response_format": (None, {"type": "text"})}
         for name, accepted in no_ops.items():
             value = getattr(self, name)
             if not any(value == ok and type(value) is type(ok) for ok in accepted):
                 asked[name] = value
         return asked
+
+    LOGPROBS_FIELD: ClassVar[str] = "top_logprobs"
+
+    def requested_logprobs(self) -> int | None:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def sampling_params(self, default_max_tokens: int) -> SamplingParams:
         if self.max_tokens is not None and self.max_completion_tokens is not None:
@@ -255,10 +271,14 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-def usage(output: RequestOutput) -> dict:
-    prompt, completion = len(output.prompt_token_ids), len(output.token_ids)
+def usage(outputs: list[RequestOutput]) -> dict:
+    """A response's usage: its prompt once (n choices share its prefill), the tokens of every choice."""
+    prompt, completion = len(outputs[0].prompt_token_ids), sum(len(output.token_ids) for output in outputs)
+    stats = SpecStats(outputs[0].stats.num_speculative_tokens)
+    for output in outputs:
+        stats.merge(output.stats)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "spec_decode": spec_decode_stats(output.stats)}
+            "spec_decode": spec_decode_stats(stats)}
 
 
 def spec_decode_stats(stats: SpecStats) -> dict:
@@ -277,38 +297,72 @@ def spec_decode_stats(stats: SpecStats) -> dict:
     }
 
 
-class ResponseShape:
-    """The JSON of one response, whole or in streamed chunks, for completions or chat."""
+LOWEST_LOGPROB = -9999.0  # JSON has no -Infinity: a log-probability below this is sent as this (as vLLM does)
 
-    def __init__(self, chat: bool, model: str):
-        self.chat, self.model = chat, model
+
+class ResponseShape:
+    """The JSON of one response, whole or in streamed chunks, for completions or chat.
+
+    pieces: each token's text and bytes, for logprobs (detokenizer.TokenPieces)."""
+
+    def __init__(self, chat: bool, model: str, pieces: TokenPieces | None = None):
+        self.chat, self.model, self.pieces = chat, model, pieces
         self.id = new_id("chatcmpl" if chat else "cmpl")
         self.created = int(time.time())
+        self.text_offsets: dict[int, int] = {}  # completions: where each choice's next token's text starts
+
+    def logprobs(self, entries: list[TokenLogprob] | None, choice: int = 0) -> dict | None:
+        """OpenAI's logprobs object for these tokens: chat's {"content": [...]}, or the completions' four lists."""
+        if entries is None:
+            return None
+        if self.chat:
+            def item(token_id: int, logprob: float) -> dict:
+                return {"token": self.pieces.text(token_id), "logprob": max(logprob, LOWEST_LOGPROB),
+                        "bytes": list(self.pieces.bytes(token_id))}
+            return {"content": [{**item(e.token_id, e.logprob), "top_logprobs": [item(*top) for top in e.top_logprobs]}
+                                for e in entries]}
+        tokens, offsets = [self.pieces.text(e.token_id) for e in entries], []
+        for token in tokens:
+            offsets.append(self.text_offsets.get(choice, 0))
+            self.text_offsets[choice] = offsets[-1] + len(token)
+        return {"tokens": tokens, "token_logprobs": [max(e.logprob, LOWEST_LOGPROB) for e in entries],
+                "top_logprobs": [{self.pieces.text(i): max(lp, LOWEST_LOGPROB) for i, lp in e.top_logprobs}
+                                 for e in entries],
+                "text_offset": offsets}
 
     def _envelope(self, object_name: str, choices: list[dict]) -> dict:
         return {"id": self.id, "object": object_name, "created": self.created, "model": self.model,
                 "choices": choices}
 
-    def whole(self, output: RequestOutput) -> dict:
-        if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": output.text},
-                      "logprobs": None, "finish_reason": output.finish_reason}
-            body = self._envelope("chat.completion", [choice])
-        else:
-            choice = {"index": 0, "text": output.text, "logprobs": None, "finish_reason": output.finish_reason}
-            body = self._envelope("text_completion", [choice])
-        body["usage"] = usage(output)
+    def whole(self, outputs: list[RequestOutput]) -> dict:
+        """The response of every choice, in order."""
+        choices = []
+        for index, output in enumerate(outputs):
+            logprobs = self.logprobs(output.logprobs, index)
+            if self.chat:
+                choices.append({"index": index, "message": {"role": "assistant", "content": output.text},
+                                "logprobs": logprobs, "finish_reason": output.finish_reason})
+            else:
+                choices.append({"index": index, "text": output.text, "logprobs": logprobs,
+                                "finish_reason": output.finish_reason})
+        body = self._envelope("chat.completion" if self.chat else "text_completion", choices)
+        body["usage"] = usage(outputs)
         return body
 
-    def chunk(self, text: str, finish_reason: str | None = None, first: bool = False) -> dict:
+    def chunk(self, text: str, finish_reason: str | None = None, first: bool = False,
+              logprobs: list[TokenLogprob] | None = None, choice: int = 0) -> dict:
+        """A streamed chunk of one choice: text, and the logprobs of the tokens that arrived with it (their text may
+        come in a later chunk, held back while it could still become a stop string)."""
         if self.chat:
             delta = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
-            return self._envelope("chat.completion.chunk",
-                                  [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}])
-        return self._envelope("text_completion",
-                              [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}])
+            return self._envelope("chat.completion.chunk", [{"index": choice, "delta": delta,
+                                                              "logprobs": self.logprobs(logprobs, choice),
+                                                              "finish_reason": finish_reason}])
+        return self._envelope("text_completion", [{"index": choice, "text": text,
+                                                   "logprobs": self.logprobs(logprobs, choice),
+                                                   "finish_reason": finish_reason}])
 
-    def usage_chunk(self, output: RequestOutput) -> dict:
+    def usage_chunk(self, outputs: list[RequestOutput]) -> dict:
         body = self._envelope("chat.completion.chunk" if self.chat else "text_completion", [])
-        body["usage"] = usage(output)
+        body["usage"] = usage(outputs)
         return body

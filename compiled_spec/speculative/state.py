@@ -57,6 +57,11 @@ class DecodeState:
     # The n-gram drafter (speculative/ngram.py): every committed token t_0..t_{L-1} at its position; None with MTP
     # drafts. Its last column absorbs writes past the end.
     token_history: torch.Tensor | None = None  # [slots, capacity] int64
+    # With logprobs on (EngineConfig.max_logprobs = N > 0), what the last call emitted under the target's raw
+    # distribution: each step_tokens entry's log-probability, and the N most likely tokens there; None when off.
+    step_logprobs: torch.Tensor | None = None  # [slots, K+1] float32
+    step_top_logprobs: torch.Tensor | None = None  # [slots, K+1, N] float32
+    step_top_ids: torch.Tensor | None = None  # [slots, K+1, N] int64
     # HiSparse's tiers (compiled_spec/hisparse/tiers.py), one per main layer then one per draft depth; None when off.
     hisparse: HiSparseState | None = None
 
@@ -109,12 +114,14 @@ class DecodeState:
         pinned_cold_pool: bool = False,
         tree_width: int = 1,
         drafter: str = "mtp",
+        max_logprobs: int = 0,
     ) -> "DecodeState":
         """max_drafts: K, the draft slots (a step may draft fewer). hot_rows and index_dims (one per main layer, then
         per draft depth) turn on the HiSparse tiers; the KV caches are then their cold pool, in cold_dtype (default:
         dtype), and with pinned_cold_pool (CUDA) in pinned host memory. tree_width: the widest depth of a token tree the
         steps may verify (1: chains only). drafter: "mtp" (draft depths with their caches) or "ngram" (the token
-        history instead)."""
+        history instead). max_logprobs: N > 0 keeps each emitted token's log-probability and the N most likely
+        tokens."""
         k = max_drafts
         depths = k if drafter == "mtp" else 0  # draft depths with KV caches and carried hidden states
         # Rows up to position max_seq_len - 1 + k are written by a step; then a tree's scratch rows; one more is the
@@ -159,6 +166,9 @@ class DecodeState:
             draft_values=caches(depths),
             draft_leaves=zeros(num_slots, k, leaves) if leaves else None,
             token_history=zeros(num_slots, capacity) if drafter == "ngram" else None,
+            step_logprobs=zeros(num_slots, k + 1, dtype=torch.float32) if max_logprobs else None,
+            step_top_logprobs=zeros(num_slots, k + 1, max_logprobs, dtype=torch.float32) if max_logprobs else None,
+            step_top_ids=zeros(num_slots, k + 1, max_logprobs) if max_logprobs else None,
             hisparse=allocate_tiers(hot_rows, index_dims, num_slots, capacity, *cache_shape[2:], dtype, device)
             if hot_rows else None,
         )

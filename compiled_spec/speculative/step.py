@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from ..model.causal_lm import CausalLM
 from ..model.layers import PassLayout
 from . import ngram, rng
+from .logprobs import write_logprobs
 from .attention_backend import AttentionBackend, DenseAttention
 from .sampler import race_sample, sampling_probs, verify_drafts
 from .state import DecodeState
@@ -125,6 +126,8 @@ def state_writes(state: DecodeState, constants: StepConstants, k: int) -> tuple[
         names += [f"draft_keys[{i}]" for i in range(depths)] + [f"draft_values[{i}]" for i in range(depths)]
     if state.token_history is not None:
         names.append("token_history")
+    if state.step_logprobs is not None:
+        names += ["step_logprobs", "step_top_logprobs", "step_top_ids"]
     if depths > 1:
         names.append("carry_hidden")
     if k > 0 and state.draft_leaves is not None:
@@ -324,7 +327,8 @@ def speculative_step(model: CausalLM, state: DecodeState, constants: StepConstan
     tiers = constants.attention.main_tiers(state)
     hidden = model.hidden_states(verify_tokens, layout, state.main_keys, state.main_values, tiers)
     constants.attention.after_main_pass(state, tiers, layout, rows)
-    target_probs = sampling_probs(model.logits(hidden), temperature, top_k, top_p)
+    logits = model.logits(hidden)
+    target_probs = sampling_probs(logits, temperature, top_k, top_p)
     verified = state.draft_counts[:batch_size].clamp(max=k) if slots > 0 else None
     draft_probs = (state.draft_probs[:batch_size, :k] if constants.drafter == "mtp"
                    else ngram.draft_distribution(drafts, target_probs.shape[-1]))
@@ -346,6 +350,12 @@ def speculative_step(model: CausalLM, state: DecodeState, constants: StepConstan
         emitted_tokens = torch.where((offsets[None, :] == accepted[:, None] - 1) & on_leaf[:, None], leaf_token,
                                      emitted_tokens)
     emitted_tokens = torch.where(offsets[None, :] == accepted[:, None], next_token[:, None], emitted_tokens)
+    if state.step_logprobs is not None:  # emitted token j comes from row j; a bonus token after a leaf from its row
+        source_rows = offsets[None, :].expand(batch_size, k + 1)
+        if nodes:
+            source_rows = torch.where((offsets[None, :] == accepted[:, None]) & on_leaf[:, None], k + 1 + leaf[:, None],
+                                      source_rows)
+        write_logprobs(state, rows, logits, source_rows, emitted_tokens)
     count, finished = _stop_count(
         emitted_tokens, accepted + 1, constants.eos_ids, state.ignore_eos[:batch_size],
         state.generated[:batch_size], state.max_new_tokens[:batch_size], seq_lens, constants.max_seq_len,
@@ -395,51 +405,61 @@ def prefill(
     prompt_len: torch.Tensor,
     k: int,
 ) -> None:
-    """Fills slot [1] from prompt_ids [1, T] (the first prompt_len [1] tokens are real) and samples the
-    first token and k drafts. k = auto admits with the k it decodes with: draft depths past it then hold no rows
-    of this prompt (0: a plain prefill, which runs no draft depth). Sampling parameters and limits of the slot are
-    set beforehand."""
+    """Fills slots [n] from prompt_ids [1, T] (the first prompt_len [1] tokens are real) and samples each one's
+    first token and k drafts. n > 1: choices of one prompt (SamplingParams.n), which share the main model's pass: its
+    KV rows go to slot[0] and are copied to the others; each choice samples with its own seed and drafts over its own
+    first token. k = auto admits with the k it decodes with: draft depths past it then hold no rows of this prompt
+    (0: a plain prefill, which runs no draft depth). Sampling parameters and limits of the slots are set
+    beforehand."""
     check_draft_length(state, k)
     slots = max_drafts(state)
-    width = prompt_ids.shape[1]
+    choices, width = slot.shape[0], prompt_ids.shape[1]
     positions = torch.arange(width, device=prompt_ids.device)[None, :]
     real = positions < prompt_len[:, None]
-    layout = make_layout(state, constants, slot, positions, real, False, attended=width)
-    constants.attention.reset_slot(state, slot)
+    layout = make_layout(state, constants, slot[:1], positions, real, False, attended=width)
+    constants.attention.reset_slot(state, slot[:1])
     hidden = model.hidden_states(prompt_ids, layout, state.main_keys, state.main_values,
                                  constants.attention.main_tiers(state))
+    if choices > 1:
+        for cache in state.main_keys + state.main_values:
+            cache.index_copy_(0, slot[1:], cache[slot[:1]].expand(choices - 1, *cache.shape[1:]))
+    lengths = prompt_len.expand(choices)
     last = (prompt_len - 1)[:, None, None].expand(1, 1, hidden.shape[-1])
     temperature, top_k, top_p = _row_params(state, slot)
-    probs = sampling_probs(model.logits(hidden.gather(1, last)[:, 0]), temperature, top_k, top_p)
+    logits = model.logits(hidden.gather(1, last)[:, 0]).expand(choices, -1)
+    probs = sampling_probs(logits, temperature, top_k, top_p)
     seeds = state.seeds[slot]
-    first_token = race_sample(probs, rng.stream_key(seeds, prompt_len, rng.TARGET))
-    new_seq_len = prompt_len + 1
+    first_token = race_sample(probs, rng.stream_key(seeds, lengths, rng.TARGET))
+    if state.step_logprobs is not None:
+        write_logprobs(state, slot, logits[:, None], torch.zeros_like(slot)[:, None], first_token[:, None])
+    new_seq_len = lengths + 1
     count, finished = _stop_count(
-        first_token[:, None], torch.ones_like(prompt_len), constants.eos_ids, state.ignore_eos[slot],
-        torch.zeros_like(prompt_len), state.max_new_tokens[slot], prompt_len, constants.max_seq_len,
+        first_token[:, None], torch.ones_like(lengths), constants.eos_ids, state.ignore_eos[slot],
+        torch.zeros_like(lengths), state.max_new_tokens[slot], lengths, constants.max_seq_len,
     )
 
-    draft_counts = torch.full_like(prompt_len, k)
+    draft_counts = torch.full_like(lengths, k)
     if state.token_history is not None:
-        ngram.record_tokens(state.token_history, slot, torch.zeros_like(prompt_len), prompt_ids, prompt_len)
-        ngram.record_tokens(state.token_history, slot, prompt_len, first_token[:, None], torch.ones_like(prompt_len))
+        ngram.record_tokens(state.token_history, slot, torch.zeros_like(lengths), prompt_ids.expand(choices, -1),
+                            lengths)
+        ngram.record_tokens(state.token_history, slot, lengths, first_token[:, None], torch.ones_like(lengths))
 
     if k > 0 and constants.drafter == "ngram":
         drafts, draft_counts = ngram.propose(state.token_history[slot], new_seq_len, k)
         _write_chain(state, slot, (drafts, None, None, None))
     elif k > 0:
         # Depth-1 row i reads t_{i+1}: the prompt shifted by one, with the first token after it.
-        shifted = F.pad(prompt_ids[:, 1:], (0, k + 1))
+        shifted = F.pad(prompt_ids[:, 1:], (0, k + 1)).expand(choices, -1)
         offsets = torch.arange(shifted.shape[1], device=prompt_ids.device)
-        window_tokens = torch.where(offsets[None, :] == (prompt_len - 1)[:, None], first_token[:, None], shifted)
+        window_tokens = torch.where(offsets[None, :] == (lengths - 1)[:, None], first_token[:, None], shifted)
         drafts, draft_probs, carry, leaves = _draft_chain(
             model, state, constants, slot, False,
-            first_row=torch.zeros_like(prompt_len),
+            first_row=torch.zeros_like(lengths),
             window_tokens=window_tokens,
-            main_hidden=hidden,
+            main_hidden=hidden.expand(choices, -1, -1),
             carry_hidden=torch.zeros_like(state.carry_hidden[slot]),
-            producing_index=prompt_len - 1,
-            writable_rows=real,
+            producing_index=lengths - 1,
+            writable_rows=real.expand(choices, -1),
             next_position=new_seq_len,
             k=k,
             attended=width,
