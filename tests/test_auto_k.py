@@ -155,7 +155,8 @@ def test_a_request_is_admitted_with_the_k_auto_decodes_with(prompts, plain_token
 
 
 def test_auto_with_drafts_that_are_never_accepted_chooses_k0(tiny_checkpoint):
-    """Random MTP modules: the calibration finds no draft accepted, so every request step costs what k=0 costs."""
+    """Random MTP modules: the calibration finds no draft accepted, so every request step costs what k=0 costs (until
+    a streak of explore_after k=0 steps, 32, makes one step draft)."""
     llm = LLM(tiny_checkpoint("llama").path, num_speculative_tokens="auto", max_seq_len=64, max_batch_size=2,
               graph_mode="eager")
     assert llm.engine.chooser.acceptance[0] < 0.1
@@ -164,6 +165,7 @@ def test_auto_with_drafts_that_are_never_accepted_chooses_k0(tiny_checkpoint):
     for output in outputs:
         assert output.stats.steps_per_num_drafts == {0: output.stats.steps}
     # Holding k=0, auto admits with the plain prefill: no draft depth runs at all, as with a k=0 engine.
+    llm.engine.chooser.explore_after = 10**9  # and no step explores
     state = llm.engine.state
     for cache in state.draft_keys + state.draft_values:
         cache.zero_()
@@ -183,6 +185,20 @@ def test_the_chooser_maximizes_expected_tokens_per_second():
     assert chooser.choose(1) == Drafts(0)
     chooser.observe_step(1, Drafts(3), 1.6, [LaneOutcome(verified=2, accepted=2)])  # 2 hits; position 3 not verified
     assert chooser.acceptance[2] == 0.1 and chooser.acceptance[0] > 0.1
+
+
+def test_after_a_streak_of_k0_steps_the_chooser_tries_drafts_once_and_learns_from_them():
+    """Estimates that fell would otherwise keep k at 0 for good: no k=0 step observes acceptance. The engine's steps
+    that explore verify drafts: test_ngram_drafts.py."""
+    chooser = DraftLengthChooser(2, explore_after=4)
+    chooser.seconds = {(1, Drafts(k)): 1.0 + 0.4 * k for k in range(3)}
+    chooser.acceptance = [0.2, 0.2]  # per second: 1, 0.86, 0.69
+    # Two steps: the first drafts, the second verifies those drafts.
+    assert [chooser.choose(1).k for _ in range(13)] == [0, 0, 0, 0, 1, 1, 0, 0, 0, 0, 1, 1, 0]
+    for _ in range(60):  # the drafts are in fact always accepted: the explored steps raise the estimates
+        if chooser.choose(1).k:
+            chooser.observe_step(1, Drafts(1), 1.4, [LaneOutcome(verified=1, accepted=1)] * 8)
+    assert chooser.choose(1).k > 0 and chooser.acceptance[0] > 0.4
 
 
 def test_the_chooser_keeps_its_k_until_another_is_clearly_faster():

@@ -92,3 +92,15 @@ def test_a_model_without_mtp_modules_drafts_ngrams_unless_told_otherwise(tiny_ch
         LLM(path, drafter="eagle", **engine)
     with pytest.raises(CompiledSpecError, match="draft_tree='2,1' needs drafter='mtp'"):
         LLM(path, draft_tree="2,1", **engine)
+
+
+def test_auto_at_k0_explores_and_learns_what_its_drafts_accept(tiny_checkpoint):
+    """An estimate that fell to 0 (as a calibration request with no repeats leaves it) is moved by the steps that
+    explore: the first drafts, the second verifies, on a prompt whose greedy output repeats."""
+    llm = LLM(tiny_checkpoint("llama_no_mtp").path, num_speculative_tokens="auto", graph_mode="eager", max_seq_len=128,
+              max_batch_size=1, show_progress=False)
+    chooser = llm.engine.chooser
+    chooser.explore_after, chooser.acceptance = 4, [0.0] * chooser.max_drafts
+    output = llm.generate([[5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6]], SamplingParams(max_tokens=100, ignore_eos=True))[0]
+    assert output.stats.steps_per_num_drafts.get(0, 0) > 0 and output.stats.accepted > 0
+    assert chooser.acceptance[0] > 0

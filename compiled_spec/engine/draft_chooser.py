@@ -5,7 +5,11 @@ chance that draft i is accepted once drafts 1..i-1 were (decayed per observation
 warm-up). Seconds per step: per (batch bucket, chain or tree), the fastest of several rounds over the compiled graphs
 at warm-up. Live step times do not update them: one slow step would make its k look costly, and a k that is not
 chosen is never measured again to correct it. k=0 is always a candidate, so by these estimates no step is chosen
-to be slower per token than plain decoding.
+to be slower per token than plain decoding. But k=0 observes no acceptance: estimates that fell (on text unlike the
+calibration prompt, or n-gram drafts before the output starts to repeat) would keep k at 0 for good. So after
+explore_after k=0 steps in a row in a bucket, two steps draft the best k > 0 (by the estimates): a step verifies the
+drafts the step before it made, so the first drafts and the second verifies, and what it accepts moves the
+estimates. It costs at most two slower steps in explore_after + 2.
 
 A step that drafts k runs draft depths 1..k only (speculative/step.py), so after steps at a smaller k the deeper
 depths hold stale rows. The chooser therefore keeps its last choice in a bucket until another is expected to be
@@ -39,8 +43,11 @@ class LaneOutcome(NamedTuple):
 
 class DraftLengthChooser:
     def __init__(self, max_drafts: int, acceptance_decay: float = 0.98, switch_margin: float = 0.03,
-                 draft_tree: tuple[int, ...] | None = None):
+                 draft_tree: tuple[int, ...] | None = None, explore_after: int = 32):
         self.max_drafts = max_drafts
+        self.explore_after = explore_after
+        self.zero_streak: dict[int, int] = {}  # bucket -> k=0 steps chosen in a row
+        self.exploring: dict[int, Drafts] = {}  # bucket -> the drafts of the exploration's second step
         self.switch_margin = switch_margin
         self.draft_tree = tuple(draft_tree or ())  # widths per depth; () without a tree
         # Every chain 0..K, then the token tree (its depth is at most K).
@@ -64,18 +71,26 @@ class DraftLengthChooser:
 
     def choose(self, bucket: int) -> Drafts:
         """The chain or tree with the most expected tokens per second in this bucket (on a tie the smaller k, a chain
-        before the tree), unless the one chosen last in this bucket is within switch_margin of it. One whose step was
-        never timed in this bucket (no warm-up) is chosen first, so the live step times it."""
+        before the tree), unless the one chosen last in this bucket is within switch_margin of it; after explore_after
+        k=0 steps in a row, the best with drafts, for two steps. One whose step was never timed in this bucket (no warm-up) is
+        chosen first, so the live step times it."""
         untimed = [drafts for drafts in self.candidates if (bucket, drafts) not in self.seconds]
         if untimed:
             return untimed[0]
+        if bucket in self.exploring:
+            return self.exploring.pop(bucket)
         rates = {drafts: self.expected_tokens(drafts) / self.seconds[(bucket, drafts)] for drafts in self.candidates}
         best = max(rates, key=lambda drafts: (rates[drafts], -drafts.k, -drafts.tree))
         last = self.chosen.get(bucket)
-        if last is not None and rates[best] <= rates[last] * (1 + self.switch_margin):
-            return last
-        self.chosen[bucket] = best
-        return best
+        if last is None or rates[best] > rates[last] * (1 + self.switch_margin):
+            self.chosen[bucket] = last = best
+        streak = self.zero_streak[bucket] = self.zero_streak.get(bucket, 0) + 1 if last.k == 0 else 0
+        if streak > self.explore_after and self.max_drafts:
+            self.zero_streak[bucket] = 0
+            explore = max((drafts for drafts in self.candidates if drafts.k), key=lambda drafts: rates[drafts])
+            self.exploring[bucket] = explore
+            return explore
+        return last
 
     def observe_step(self, bucket: int, drafts: Drafts, seconds: float, lanes: list[LaneOutcome]) -> None:
         """A lane verifies fewer than k drafts when the step before it drafted fewer; positions it did not verify
