@@ -6,10 +6,12 @@ the prefill bucket), mixing greedy and seeded sampled requests, and requests tha
 engine's k (SamplingParams.num_speculative_tokens), and one of two choices (SamplingParams.n, one prefill for both).
 Every request asks for logprobs (speculative/logprobs.py).
 
-ROWS, 10 compiled engines, fit the suite's budget (each costs 35-240 s of compiling on one core; all 12 rows of a
+ROWS, 9 compiled engines, fit the suite's budget (each costs 25-180 s of compiling on one core; all 12 rows of a
 design where every two factors meet took 1,265 s): every level of every factor runs, `full` on two architectures
 (Llama and GLM-4.5, whose MoE full diverged before), every architecture in two modes but GLM-4.5 (one), and the
-token tree and n-gram drafts in every mode. k = auto runs in compile only (auto in full compiled 3 step and 3 prefill packages: 238 s).
+token tree and n-gram drafts in every mode. k = auto runs in compile only (auto in full compiled 3 step and 3 prefill
+packages: 238 s); bfloat16 and packed Q4_1 weights run in piecewise only (a bfloat16 Q4_1 row in compile, 92 s, was
+cut for the suite's time: the bfloat16 rows' tolerance does not catch emulate_precision_casts turned off anyway).
 test_rows_meet_the_stated_coverage checks those claims.
 
 Float32 rows compare every request's tokens and, at each step it was in, the drafts it verified, how many it accepted
@@ -57,7 +59,6 @@ WEIGHTS = ("float", "Q4_1")
 # (architecture, mode, drafting, dtype, weights)
 ROWS = [
     ("llama", "full", "tree", "float32", "float"),
-    ("llama", "compile", "k=2", "bfloat16", "Q4_1"),
     ("qwen2", "compile", "auto", "float32", "float"),
     ("qwen2", "piecewise", "k=2", "float32", "Q4_1"),
     ("qwen3", "compile", "tree", "float32", "float"),
