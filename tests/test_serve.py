@@ -158,6 +158,10 @@ def test_logprobs_of_sampled_tokens_under_speculation_equal_the_engines_streamed
     with pytest.raises(openai.BadRequestError) as caught:
         client.chat.completions.create(model="tiny", messages=messages, max_tokens=2, top_logprobs=2)
     assert caught.value.body["param"] == "top_logprobs" and "needs logprobs=true" in caught.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model="tiny", messages=messages, max_tokens=2, logprobs=True, top_logprobs=21)
+    assert caught.value.body["param"] == "top_logprobs"
+    assert caught.value.body["message"].startswith("top_logprobs=21 is invalid; allowed: an integer in 0..20")
 
 
 def test_n_choices_each_equal_a_request_with_its_seed_streamed_and_not(server, offline):

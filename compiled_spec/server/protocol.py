@@ -76,6 +76,8 @@ def wire_error(error: CompiledSpecError, param: str | None = None) -> APIError:
     if name in WIRE_NAMES:
         name = WIRE_NAMES[name]
         message = name + message[len(error.param):] if message.startswith(error.param) else message
+    elif param and name and message.startswith(f"{name}="):  # chat's top_logprobs sets SamplingParams.logprobs
+        message = param + message[len(name):]
     return APIError(400, message, param=param or name)
 
 
