@@ -235,9 +235,12 @@ class EngineLoop:
             self._end_choice(self._pending[request.index], request)
 
     def _end_choice(self, pending: Pending, request: Request) -> None:
-        """One choice finished; the response ends with its last."""
-        self._pending.pop(request.index, None)
+        """One choice finished; the response ends with its last (until then every choice's index still finds it: a
+        handler aborts by the first one's)."""
         pending.running.discard(request.index)
+        if not pending.running:
+            for choice in pending.choices:
+                self._pending.pop(choice.index, None)
         self.metrics.record_finished(request.output, time.monotonic() - pending.arrived)
         pending.ended = not pending.running
         pending.send("done", (request.output.index, request.output))
