@@ -65,7 +65,6 @@ RANKED_BY = {"step_top_ids": "step_top_logprobs"}
 
 def first_difference(compiled: DecodeState, eager: DecodeState, step: int) -> Divergence | None:
     """The first field (in field order) where the compiled state differs from the eager one, or None."""
-    eager_fields = dict(eager.named_tensors())
     for (name, got), (_, want) in zip(compiled.named_tensors(), eager.named_tensors()):
         if name.split("[")[0].rsplit(".", 1)[-1] in TRASH_ROW_FIELDS:
             got, want = got[:, :-1], want[:, :-1]
@@ -75,7 +74,7 @@ def first_difference(compiled: DecodeState, eager: DecodeState, step: int) -> Di
             continue
         if got.is_floating_point() or name in RANKED_BY:
             values = (got, want) if got.is_floating_point() else (
-                getattr(compiled, RANKED_BY[name]).reshape(got.shape), eager_fields[RANKED_BY[name]].reshape(got.shape))
+                getattr(compiled, RANKED_BY[name]).reshape(got.shape), getattr(eager, RANKED_BY[name]).reshape(got.shape))
             rtol, atol = FLOAT_TOLERANCE.get(values[0].dtype, FLOAT_TOLERANCE[torch.float32])
             lanes, elements = unequal.unbind(1)
             close = torch.isclose(values[0][lanes, elements], values[1][lanes, elements], rtol=rtol, atol=atol,

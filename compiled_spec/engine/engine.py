@@ -142,7 +142,7 @@ class Engine:
         n); returns those their first token finished. A request whose admission raises goes to on_error (without one,
         the error propagates)."""
         finished = []
-        while self.waiting and self.has_free_slot(self.waiting[0].slots_needed):
+        while self.waiting and self.has_free_slot(len(self.waiting[0].choices)):
             request = self.waiting.popleft()
             if on_admitting is not None:
                 on_admitting(request)
@@ -157,7 +157,7 @@ class Engine:
     def admit(self, request: Request, on_tokens: TokenCallback | None = None) -> list[Request]:
         """Prefills `request` into the next free slot, and its other choices (n > 1) into the slots after it, with one
         pass of the main model (between steps); returns those their first token finished."""
-        choices = [request] + request.siblings
+        choices = request.choices
         if not self.has_free_slot(len(choices)):
             raise RuntimeError("admit() needs a free slot for each choice; check has_free_slot() first")
         slot = len(self.slots)

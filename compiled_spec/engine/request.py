@@ -25,8 +25,9 @@ class Request:
     siblings: list["Request"] = field(default_factory=list)  # choices 1..n-1 (n > 1), admitted with this one
 
     @property
-    def slots_needed(self) -> int:
-        return 1 + len(self.siblings)
+    def choices(self) -> list["Request"]:
+        """This request and its siblings, choice 0 first."""
+        return [self] + self.siblings
 
 
 @dataclass

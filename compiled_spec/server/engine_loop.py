@@ -52,7 +52,7 @@ class Pending:
 
     @property
     def choices(self) -> list[Request]:
-        return [self.request] + self.request.siblings
+        return self.request.choices
 
     def send(self, kind: str, value) -> None:
         try:
