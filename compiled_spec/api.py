@@ -56,6 +56,7 @@ class LLM:
         draft_tree: "str | tuple[int, ...] | None" = None,
         drafter: str | None = None,
         max_logprobs: int = 0,
+        structured_output: bool = False,
     ):
         """num_speculative_tokens: drafts per step (k), or "auto": before each step, the k in
         0..max_speculative_tokens with the most expected tokens per second, from step times measured at warm-up
@@ -90,7 +91,9 @@ class LLM:
         itself. Default: "mtp" for a model with MTP modules, else "ngram".
         max_logprobs: 1..20 lets requests ask for logprobs (SamplingParams.logprobs up to this many): each step then
         also returns every emitted token's log-probability under the target's raw distribution and the max_logprobs
-        most likely tokens (speculative/logprobs.py). 0, the default: off, and steps compute none."""
+        most likely tokens (speculative/logprobs.py). 0, the default: off, and steps compute none.
+        structured_output: requests may ask for JSON (SamplingParams.json_schema): every step then masks its verify
+        rows with each request's grammar (speculative/token_masks.py). Not with draft_tree. Default: off, no cost."""
         self.path = resolve_model(model) or DEFAULT_MODEL
         mtp = mtp if mtp is not None else shipped_mtp_modules(self.path)
         self.mtp_path = None if mtp is None else Path(mtp)
@@ -110,6 +113,7 @@ class LLM:
             draft_tree=draft_tree,
             drafter=drafter,
             max_logprobs=max_logprobs,
+            structured_output=structured_output,
         )
         if draft_vocab_size is None:
             draft_vocab_size = default_draft_vocab_size(self.path, self.mtp_path)
@@ -257,6 +261,7 @@ class LLM:
                                     param="n")
         if params.n > 1 and self.config.hisparse is not None:
             raise CompiledSpecError("n > 1 is not supported with HiSparse attention", param="n")
+        grammar = self._grammar(params.json_schema)
         requests = []
         for choice in range(params.n):
             seed = (params.seed + choice) % 2**63 if params.seed is not None else \
@@ -264,11 +269,22 @@ class LLM:
             output = RequestOutput(prompt_token_ids=prompt_ids, stats=SpecStats(self.draft_slots),
                                    logprobs=None if params.logprobs is None else [], index=choice)
             requests.append(Request(index if choice == 0 else next(self._sibling_indices), prompt_ids, params, seed,
-                                    output))
+                                    output, grammar=grammar))
         if params.n > 1:
             requests[0].siblings = requests[1:]
             requests[0].output.choices = [request.output for request in requests]
         return requests[0]
+
+    def _grammar(self, schema):
+        if schema is None:
+            return None
+        if not self.config.structured_output:
+            raise CompiledSpecError("json_schema needs an engine started with structured_output=True "
+                                    "(LLM(structured_output=True); serve has it on)", param="json_schema")
+        if self.tokenizer is None:
+            raise CompiledSpecError("json_schema needs the model's tokenizer, and this checkpoint has none",
+                                    param="json_schema")
+        return self.engine.grammars.compile(schema)
 
     @torch.inference_mode()
     def _teacher_forced_hidden(self, token_ids: list[int]):

@@ -266,13 +266,17 @@ def main():
 @click.option("--stop", multiple=True, metavar="TEXT",
               help=r"Stop when this text appears (repeatable); it is not printed. \n and \t mean newline and tab.")
 @click.option("--ignore-eos", "ignore_eos", is_flag=True, help="Keep going past the end-of-sequence token.")
+@click.option("--json-schema", "json_schema", default=None, metavar="SCHEMA",
+              help="The output must be JSON satisfying this schema: its JSON text, a .json file holding it, or "
+                   "'object' for any JSON object. Masks every verified token with the schema's grammar; the text "
+                   "is what plain masked decoding gives, at any k (docs/structured-output.md).")
 @engine_options
 @click.option("--chat", is_flag=True,
               help="Each PROMPT is a user message: apply the model's chat template and print only the answer.")
 @click.option("--json", "as_json", is_flag=True,
               help="Print one JSON object per prompt, then one with the aggregate (JSON lines).")
-def generate(prompts, prompt_ids, temperature, top_p, top_k, max_tokens, stop, ignore_eos, chat, as_json, verify_graphs,
-             **engine):
+def generate(prompts, prompt_ids, temperature, top_p, top_k, max_tokens, stop, ignore_eos, json_schema, chat, as_json,
+             verify_graphs, **engine):
     """Generate text for each PROMPT with MTP speculative decoding.
 
     Each step the MTP module(s) draft k tokens; the main model verifies them in one pass and keeps
@@ -292,6 +296,7 @@ def generate(prompts, prompt_ids, temperature, top_p, top_k, max_tokens, stop, i
       compiled-spec generate "ROMEO:" --hisparse --top-k-tokens 32 --hot-rows 64
       compiled-spec generate --model smollm2-135m --chat "What is the capital of France?"
       compiled-spec generate --model smollm2-135m --draft-tree 2,2,1 "def quicksort(items):"
+      compiled-spec generate --model smollm2-135m --chat "Name a city as JSON." --json-schema object
     """
     all_prompts = [*prompts, *(parse_ids(text) for text in prompt_ids)]
     if not all_prompts:
@@ -305,10 +310,11 @@ def generate(prompts, prompt_ids, temperature, top_p, top_k, max_tokens, stop, i
 
     try:
         params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens,
-                                stop=[unescape(text) for text in stop] or None, ignore_eos=ignore_eos)
+                                stop=[unescape(text) for text in stop] or None, ignore_eos=ignore_eos,
+                                json_schema=None if json_schema is None else read_schema(json_schema))
     except CompiledSpecError as error:
         raise InputError(str(error)) from None
-    llm = make_llm(verify_graphs=verify_graphs or 0, **engine)
+    llm = make_llm(verify_graphs=verify_graphs or 0, structured_output=json_schema is not None, **engine)
     if llm.tokenizer is None and any(isinstance(p, str) for p in all_prompts):
         raise InputError(f"model {str(llm.path)!r} has no tokenizer; pass prompts as --prompt-ids 1,2,3")
 
@@ -374,12 +380,16 @@ def generate(prompts, prompt_ids, temperature, top_p, top_k, max_tokens, stop, i
               help="Requests may ask for logprobs with up to this many most likely tokens beside each one (chat's "
                    "top_logprobs, completions' logprobs); every step then also computes them, from the verify pass it "
                    "runs anyway. 0 turns logprobs off (a request that asks gets a 400).")
+@click.option("--structured-output/--no-structured-output", "structured_output", default=None,
+              help="Requests may ask for JSON (response_format json_object or json_schema): every step then masks "
+                   "its verify rows with each constrained request's grammar. Default: on, except with --draft-tree "
+                   "(which it does not take).")
 @click.option("--step-log", "step_log", type=click.Path(dir_okay=False), default=None,
               help="Append one JSON line per decode step: the requests in the batch, drafts accepted, waiting.")
 @click.option("--log-level", "log_level", type=click.Choice(("critical", "error", "warning", "info", "debug")),
               default="info", show_default=True)
 def serve(host, port, api_key, served_model_name, max_queue, max_request_bytes, body_timeout, shutdown_timeout,
-          step_log, log_level, verify_graphs, max_logprobs, **engine):
+          step_log, log_level, verify_graphs, max_logprobs, structured_output, **engine):
     """Serve the model over HTTP with an OpenAI-compatible API.
 
     \b
@@ -390,9 +400,9 @@ def serve(host, port, api_key, served_model_name, max_queue, max_request_bytes, 
     Requests that arrive while others decode join the running batch at the next step (up to
     --max-batch-size); the rest wait in a queue. Each response's usage carries its speculative-decoding
     statistics (drafts, accepted per position, mean accepted length). Supported sampling parameters:
-    temperature, top_p, top_k, max_tokens, stop, seed, ignore_eos, logprobs (chat: logprobs and
-    top_logprobs), and this engine's speculation field; anything else that would change the output (n > 1,
-    penalties, tools) is a 400 naming the field. Per request: max_tokens and top_k
+    temperature, top_p, top_k, max_tokens, stop, seed, ignore_eos, n, logprobs (chat: logprobs and
+    top_logprobs), response_format (json_object, json_schema) and this engine's speculation field;
+    anything else that would change the output (penalties, tools) is a 400 naming the field. Per request: max_tokens and top_k
     up to 2**31-1, at most 16 stop strings of at most 256 characters each, temperature 0..100 (below 1e-5
     it decodes greedily).
 
@@ -419,8 +429,10 @@ def serve(host, port, api_key, served_model_name, max_queue, max_request_bytes, 
     if api_key is None and host not in ("127.0.0.1", "localhost", "::1"):
         click.echo(f"warning: serving on {host} without --api-key: anyone who can reach this address can use the "
                    "server", err=True)
+    if structured_output is None:
+        structured_output = engine.get("draft_tree") is None
     llm = make_llm(verify_graphs=SERVE_VERIFY_GRAPHS_EVERY if verify_graphs is None else verify_graphs,
-                   warm_up=False, max_logprobs=max_logprobs, **engine)  # the engine thread warms up
+                   warm_up=False, max_logprobs=max_logprobs, structured_output=structured_output, **engine)  # the engine thread warms up
     if verify_graphs is None and llm.engine.canary is not None:  # serve's default rate keeps under its budget
         llm.engine.canary.budget = SERVE_BUDGET
     if served_model_name:
@@ -733,6 +745,25 @@ def parse_ids(text: str) -> list[int]:
     except ValueError:
         message = f"{text!r} is not a comma-separated list of token ids"
         raise click.BadParameter(message, param_hint="'--prompt-ids'") from None
+
+
+def read_schema(text: str) -> dict | bool:
+    """--json-schema: 'object', a .json file's schema, or the schema's JSON text."""
+    import json
+
+    if text == "object":
+        return True
+    path = Path(text)
+    try:
+        source = path.read_text() if text.endswith(".json") and path.is_file() else text
+        schema = json.loads(source)
+    except (OSError, ValueError) as error:
+        raise click.BadParameter(f"{text[:80]!r} is not a JSON schema, a .json file holding one, or 'object' "
+                                 f"({error})", param_hint="'--json-schema'") from None
+    if not isinstance(schema, dict):
+        raise click.BadParameter(f"{text[:80]!r} is not a JSON object; a schema is one, e.g. '{{\"type\": "
+                                 f"\"object\"}}'", param_hint="'--json-schema'")
+    return schema
 
 
 def unescape(text: str) -> str:

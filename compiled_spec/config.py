@@ -261,6 +261,9 @@ class EngineConfig:
     drafter: str | None = None  # "mtp" or "ngram"; None: set by resolve_drafter, MTP where the model has modules
     # Steps return each emitted token's log-probability and the max_logprobs most likely tokens (0: off, no cost).
     max_logprobs: int = 0
+    # Requests may ask for JSON output (SamplingParams.json_schema): steps then mask every verify row's logits with the
+    # request's grammar (speculative/token_masks.py; False: no masks, no cost).
+    structured_output: bool = False
 
     def torch_dtype(self):
         import torch
@@ -340,6 +343,13 @@ class EngineConfig:
                 f"num_speculative_tokens={self.num_speculative_tokens} with drafter='mtp' needs MTP weights, but this "
                 "checkpoint has no MTP modules; use drafter='ngram' or num_speculative_tokens=0", param="drafter"
             )
+        if not isinstance(self.structured_output, bool):
+            raise CompiledSpecError(f"structured_output={self.structured_output!r} must be True or False",
+                                    param="structured_output")
+        if self.structured_output and self.draft_tree is not None:
+            raise CompiledSpecError(f"structured_output=True masks a chain's verify rows; it does not take "
+                                    f"draft_tree={describe_tree(self.draft_tree)!r} (leave the tree out)",
+                                    param="structured_output")
         if self.drafter == "ngram" and self.draft_tree is not None:
             raise CompiledSpecError(f"draft_tree={describe_tree(self.draft_tree)!r} needs drafter='mtp': n-gram "
                                     "drafts are one chain", param="draft_tree")

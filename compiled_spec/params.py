@@ -38,6 +38,10 @@ class SamplingParams:
     # Independent choices of one prompt: they share its prefill and decode in n slots. With a seed, choice i samples
     # with seed + i, so it equals a request of its own with that seed.
     n: int = 1
+    # JSON output: a JSON schema (a dict) the output must satisfy, or True for any JSON object (OpenAI's json_object).
+    # Every emitted token, drafts included, comes from the target masked by the schema's grammar, so the output is what
+    # masked plain decoding gives at any k. Needs LLM(structured_output=True); the server has it on.
+    json_schema: dict | bool | None = None
 
     def __post_init__(self):
         if (not isinstance(self.temperature, (int, float)) or not math.isfinite(self.temperature)
@@ -67,6 +71,9 @@ class SamplingParams:
         if isinstance(self.n, bool) or not isinstance(self.n, int) or not 1 <= self.n <= MAX_CHOICES:
             raise CompiledSpecError(f"n={self.n!r} is invalid; allowed: an integer in 1..{MAX_CHOICES} (and at most "
                                     "the engine's max_batch_size)", param="n")
+        if self.json_schema is not None and self.json_schema is not True and not isinstance(self.json_schema, dict):
+            raise CompiledSpecError(f"json_schema={_shown(self.json_schema)} is invalid; allowed: a JSON schema (a "
+                                    "dict), True (any JSON object) or None", param="json_schema")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         if isinstance(self.stop, (list, tuple)) and len(self.stop) > MAX_STOP_STRINGS:
@@ -78,6 +85,11 @@ class SamplingParams:
             longest = max(map(len, self.stop))
             raise CompiledSpecError(f"stop has a string of {longest} characters; allowed: at most "
                                     f"{MAX_STOP_CHARACTERS} characters each", param="stop")
+
+
+def _shown(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 @dataclass

@@ -9,6 +9,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
+import jsonschema
 import openai
 import pytest
 
@@ -19,7 +20,8 @@ from compiled_spec.benchmarks.live_server import running_server
 from serving import inbox, serve_command, wait_for, write_chat_model
 
 K = 2
-ENGINE = dict(num_speculative_tokens=K, max_batch_size=4, max_seq_len=192, max_logprobs=20)  # serve's default
+# serve's defaults: logprobs up to 20, structured output on
+ENGINE = dict(num_speculative_tokens=K, max_batch_size=4, max_seq_len=192, max_logprobs=20, structured_output=True)
 SERVER_ARGS = ["-k", str(K), "--max-batch-size", "4", "--max-seq-len", "192", "--graph-mode", "eager",
                "--log-level", "warning"]
 API_KEY = "test-key-123"
@@ -193,6 +195,32 @@ def test_n_choices_each_equal_a_request_with_its_seed_streamed_and_not(server, o
         assert choice.logprobs.token_logprobs == pytest.approx([e.logprob for e in single.logprobs], abs=1e-5)
 
 
+ACT = {"type": "object", "properties": {"who": {"enum": ["romeo", "juliet", "tybalt"]},
+                                         "act": {"type": "integer", "minimum": 1, "maximum": 5}},
+       "required": ["who", "act"]}
+
+
+def test_response_format_json_schema_and_json_object_equal_the_engines_streamed_and_not(server, offline):
+    client = server.client()
+    messages = [{"role": "user", "content": "Who is Romeo?"}]
+    want = offline.chat(messages, greedy(64, json_schema=ACT))[0]
+    assert want.finish_reason == "stop"
+    jsonschema.validate(json.loads(want.text), ACT)
+    response_format = {"type": "json_schema", "json_schema": {"name": "act", "schema": ACT, "strict": True}}
+    got = client.chat.completions.create(model="tiny", messages=messages, max_tokens=64, temperature=0,
+                                         response_format=response_format)
+    assert got.choices[0].message.content == want.text and got.choices[0].finish_reason == "stop"
+    streamed = "".join(chunk.choices[0].delta.content or "" for chunk in client.chat.completions.create(
+        model="tiny", messages=messages, max_tokens=64, temperature=0, response_format=response_format, stream=True)
+        if chunk.choices)
+    assert streamed == want.text
+    # json_object on the completions endpoint (vLLM's extension there), sampled: any JSON object, as generate gives.
+    anything = offline.generate(PROMPTS[0], SamplingParams(temperature=0.9, seed=4, max_tokens=24, json_schema=True))
+    completion = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=24, temperature=0.9, seed=4,
+                                           extra_body={"response_format": {"type": "json_object"}})
+    assert completion.choices[0].text == anything[0].text and anything[0].text.startswith("{")
+
+
 def test_sixteen_concurrent_streams_join_running_batches_and_lose_nothing(server, offline):
     client = server.client()
     jobs = [(PROMPTS[i % len(PROMPTS)] * (1 + i % 3), 6 + (i * 7) % 40) for i in range(16)]
@@ -263,6 +291,10 @@ BAD_COMPLETIONS = [
     (dict(prompt="ROMEO: " * 400), 400, "prompt"),
     (dict(n=5), 400, "n"),  # past the server's 4 slots
     (dict(logprobs=21), 400, "logprobs"),
+    (dict(extra_body={"response_format": {"type": "yaml"}}), 400, "response_format.type"),
+    (dict(extra_body={"response_format": {"type": "json_schema"}}), 400, "response_format.json_schema"),
+    (dict(extra_body={"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "objekt"}}}}), 400, "response_format"),
     (dict(extra_body={"best_temperature": 1}), 400, "best_temperature"),
 ]
 

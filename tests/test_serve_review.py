@@ -210,12 +210,12 @@ def test_text_response_format_and_no_tools_are_accepted(keyed):
     got = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=6,
                                          temperature=0, response_format={"type": "text"}, tools=[])
     assert got.choices[0].message.content == want
-    for field, value in (("response_format", {"type": "json_object"}),
-                         ("tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}])):
+    for field, value, param in (("response_format", {"type": "regex"}, "response_format.type"),
+                                ("tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}], "tools")):
         with pytest.raises(openai.BadRequestError) as caught:
             client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
                                            **{field: value})
-        assert caught.value.body["param"] == field
+        assert caught.value.body["param"] == param
 
 
 def test_a_completion_prompt_of_one_string_in_a_list(keyed):

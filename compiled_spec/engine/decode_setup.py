@@ -21,6 +21,7 @@ def allocate_state(model: CausalLM, config: EngineConfig) -> DecodeState:
     return DecodeState.allocate(
         model.config, config.max_batch_size, config.max_seq_len, max_drafts, dtype, device,
         tree_width=config.tree_width, drafter=drafter, max_logprobs=config.max_logprobs,
+        structured_output=config.structured_output,
         **(dict(hot_rows=hisparse.hot_rows, index_dims=index_key_dims(model, max_drafts if drafter == "mtp" else 0),
                 cold_dtype=hisparse.cold_torch_dtype(dtype), pinned_cold_pool=hisparse.cold_pool_pinned(device))
            if hisparse else {}),

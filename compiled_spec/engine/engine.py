@@ -22,12 +22,14 @@ from ..model.causal_lm import CausalLM
 from ..params import MIN_SAMPLING_TEMPERATURE, TokenLogprob
 from ..speculative.state import move_slot
 from ..speculative.step import Drafts
+from ..speculative.token_masks import ALL_TOKENS
 from .buckets import pick_bucket
 from .canary import SAFER_MODE, GraphCanary
 from .decode_setup import allocate_state, batch_buckets, prefill_buckets, step_constants
 from .draft_chooser import DraftLengthChooser, LaneOutcome
 from .draft_timing import FixedDrafts, calibration_request
 from .request import Request, StepRecord, TokenCallback
+from .structured_output import Grammars
 from .startup import GraphStartup, StartOptions
 
 __all__ = ["Engine", "Request", "StartOptions", "StepRecord", "TokenCallback"]
@@ -61,6 +63,14 @@ class Engine:
         self.canary = GraphCanary(config.verify_graphs_every) if config.verify_graphs_every else None
         self.switches: list[int] = []  # steps_run at each use_runner after the first runner
         self.fallbacks: list[GraphMode] = []  # the mode of each fall_back
+        self._grammars: Grammars | None = None
+
+    @property
+    def grammars(self) -> Grammars:
+        """The grammar compiler of structured output, made at the first use."""
+        if self._grammars is None:
+            self._grammars = Grammars(self.tokenizer, self.model.config.vocab_size, tuple(sorted(self.eos_ids)))
+        return self._grammars
 
     def use_runner(self, runner: StepRunner, initial: bool = False) -> None:
         """Between two steps: the next steps run on `runner`, which must be bound to this engine's state. Unless it
@@ -174,6 +184,13 @@ class Engine:
             state.draft_limits[lane] = self.draft_limit(params)
             state.generated[lane] = 0
             state.done[lane] = False
+        if state.token_masks is not None:
+            for lane, choice in enumerate(choices, start=slot):
+                if request.grammar is not None:
+                    choice.constraint = self.grammars.matcher(request.grammar)
+                    choice.constraint.walk(state.token_masks[lane], [], 0)
+                else:
+                    state.token_masks[lane].fill_(ALL_TOKENS)
         length = len(request.prompt_ids)
         bucketed = length <= self.prefill_buckets[-1]
         widths = self.runner.prefill_widths
@@ -216,6 +233,8 @@ class Engine:
         batch = self.runner.batch_for(bucket, len(self.slots))
         drafts = self.chooser.choose(bucket) if self.chooser else self.runner.step_drafts[0]
         self.last_num_drafts = drafts.k
+        if self.state.token_masks is not None:
+            self._write_token_masks(drafts.k)
         divergence = None
         checked = bool(self.canary and self.runner.mode != GraphMode.EAGER and self.canary.due(self.steps_run + 1))
         if checked:
@@ -232,6 +251,33 @@ class Engine:
             outcomes = [LaneOutcome(v, accepted, leaf) for v, (_, accepted), leaf in zip(verified, lanes, on_leaf)]
             self.chooser.observe_step(bucket, drafts, seconds, outcomes)
         return StepRecord(finished, lanes, seconds, drafts.k, verified, divergence, drafts.tree, on_leaf, lane_drafts)
+
+    def _write_token_masks(self, k: int) -> None:
+        """Each constrained lane's grammar masks for the verify rows of a step drafting k, and its drafts where the
+        grammar forces them (structured_output.py): the tokens, a one-hot q for MTP drafts, the count."""
+        lanes = [slot for slot, request in enumerate(self.slots) if request.constraint is not None]
+        if not lanes:
+            return
+        s = self.state
+        rows = torch.tensor(lanes)
+        drafts = s.draft_tokens[rows, :k].tolist()
+        counts = s.draft_counts[rows].tolist() if k else [0] * len(lanes)
+        on_host = s.token_masks.device.type == "cpu"
+        masks = s.token_masks if on_host else torch.empty(len(lanes), *s.token_masks.shape[1:], dtype=torch.int32)
+        for offset, slot in enumerate(lanes):
+            request = self.slots[slot]
+            limit = min(k, self.draft_limit(request.params))
+            verified = drafts[offset][: min(limit, counts[offset])]
+            new, forced = request.constraint.walk(masks[slot if on_host else offset], verified, limit)
+            for row in forced:
+                s.draft_tokens[slot, row] = new[row]
+                if s.draft_probs.shape[1]:  # MTP drafts keep their q; a forced one's is one-hot
+                    s.draft_probs[slot, row] = 0.0
+                    s.draft_probs[slot, row, new[row]] = 1.0
+            if len(new) != len(verified):
+                s.draft_counts[slot] = len(new)
+        if not on_host:
+            s.token_masks[rows.to(s.token_masks.device)] = masks.to(s.token_masks.device)
 
     def abort(self, index: int) -> Request | None:
         """Drops the waiting request with this index, or frees the slot of the running one (between steps); None if
@@ -279,14 +325,19 @@ class Engine:
                     request.output.stats.record(accepted, verified, lane_k, tree=drafts.tree and lane_k > 0,
                                                 on_leaf=bool(leaf))
             kept = len(request.output.token_ids)
-            stopped = self._append(request, tokens[:count])
+            emitted = tokens[:count]
+            complete = False
+            if request.constraint is not None:
+                emitted = emitted[: request.constraint.accept(emitted)]
+                complete = request.constraint.complete
+            stopped = self._append(request, emitted)
             new_tokens = request.output.token_ids[kept:]  # a stop string drops the tokens after it
             if request.output.logprobs is not None:
                 request.output.logprobs += logprobs(offset, len(new_tokens), request.params.logprobs)
             if on_tokens is not None and new_tokens:
                 on_tokens(request.index, new_tokens)
-            if done or stopped:
-                self._finish(request, stopped)
+            if done or stopped or complete:
+                self._finish(request, stopped, complete)
                 finished.append(request)
                 finished_slots.append(slot)
         for slot in reversed(finished_slots):
@@ -325,13 +376,14 @@ class Engine:
                 return True
         return False
 
-    def _finish(self, request: Request, stopped: bool) -> None:
+    def _finish(self, request: Request, stopped: bool, complete: bool = False) -> None:
+        """stopped: at a stop string (the text is cut there already); complete: at the end of the request's grammar."""
         output = request.output
         if stopped:
             output.finish_reason = "stop"
             return
         eos_hit = bool(output.token_ids) and output.token_ids[-1] in self.eos_ids and not request.params.ignore_eos
-        output.finish_reason = "stop" if eos_hit else "length"
+        output.finish_reason = "stop" if eos_hit or complete else "length"
         if self.tokenizer is not None:
             output.text = self.tokenizer.decode(output.token_ids, skip_special_tokens=True)
 

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from ..detokenizer import IncrementalDetokenizer
 from ..params import RequestOutput, SamplingParams
+from .structured_output import Constraint
 
 if TYPE_CHECKING:
     from .canary import Divergence
@@ -23,6 +24,8 @@ class Request:
     output: RequestOutput
     detokenizer: IncrementalDetokenizer | None = None  # with stop strings: the text so far, to find them in
     siblings: list["Request"] = field(default_factory=list)  # choices 1..n-1 (n > 1), admitted with this one
+    grammar: Any = None  # SamplingParams.json_schema compiled (engine/structured_output.py), shared by the choices
+    constraint: Constraint | None = None  # this choice's place in the grammar, from its admission
 
     @property
     def choices(self) -> list["Request"]:

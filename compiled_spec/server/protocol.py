@@ -10,7 +10,7 @@ import time
 import uuid
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ..detokenizer import TokenPieces
 from ..errors import CompiledSpecError
@@ -66,7 +66,8 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-WIRE_NAMES = {"num_speculative_tokens": "speculation.num_speculative_tokens"}  # SamplingParams field -> request field
+WIRE_NAMES = {"num_speculative_tokens": "speculation.num_speculative_tokens",
+              "json_schema": "response_format"}  # SamplingParams field -> request field
 
 
 def wire_error(error: CompiledSpecError, param: str | None = None) -> APIError:
@@ -87,6 +88,34 @@ class Speculation(BaseModel):
 
     model_config = STRICT
     num_speculative_tokens: int | Literal["auto"] | None = None
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+    name: str
+    description: str | None = None
+    schema_: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None  # the output always satisfies the schema, strict or not
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's response_format: text (no constraint), json_object (any JSON object) or json_schema."""
+
+    model_config = STRICT
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    def sampling_schema(self) -> dict | bool | None:
+        """SamplingParams.json_schema."""
+        if self.type != "json_schema" and self.json_schema is not None:
+            raise APIError(400, f"response_format.json_schema is only allowed with type 'json_schema' (got type "
+                                f"{shown(self.type)})", param="response_format.json_schema")
+        if self.type == "json_schema":
+            if self.json_schema is None:
+                raise APIError(400, "response_format.json_schema is required with type 'json_schema': an object with "
+                                    "a name and a schema", param="response_format.json_schema")
+            return self.json_schema.schema_
+        return True if self.type == "json_object" else None
 
 
 class _Common(BaseModel):
@@ -110,6 +139,7 @@ class _Common(BaseModel):
     user: str | None = None  # an end-user id for the operator's logs; changes nothing
     ignore_eos: bool = False
     speculation: Speculation | None = None
+    response_format: ResponseFormat | None = None
 
     def unsupported(self) -> dict[str, Any]:
         """Fields set to something the engine cannot do: {name: value}."""
@@ -136,6 +166,7 @@ class _Common(BaseModel):
                 stop=self.stop, seed=self.seed, ignore_eos=self.ignore_eos,
                 num_speculative_tokens=self.speculation.num_speculative_tokens if self.speculation else None,
                 logprobs=self.requested_logprobs(), n=1 if self.n is None else self.n,
+                json_schema=self.response_format.sampling_schema() if self.response_format else None,
             )
         except CompiledSpecError as error:
             raise wire_error(error, param=self.LOGPROBS_FIELD if error.param == "logprobs" else None) from None
@@ -215,11 +246,10 @@ class ChatCompletionRequest(_Common):
     top_logprobs: int | None = None
     tools: list[dict] | None = None
     tool_choice: Any = None
-    response_format: dict | None = None
 
     def unsupported(self) -> dict[str, Any]:
         asked = super().unsupported()
-        no_ops = {"tools": (None, []), "tool_choice": (None, "none"), "response_format": (None, {"type": "text"})}
+        no_ops = {"tools": (None, []), "tool_choice": (None, "none")}
         for name, accepted in no_ops.items():
             value = getattr(self, name)
             if not any(value == ok and type(value) is type(ok) for ok in accepted):

@@ -14,6 +14,7 @@ import torch
 from ..config import ModelConfig
 from ..hisparse.host_pool import pinned_host_caches
 from ..hisparse.tiers import HiSparseState, allocate_tiers
+from .token_masks import ALL_TOKENS, mask_words
 
 
 @dataclass(eq=False)
@@ -62,6 +63,9 @@ class DecodeState:
     step_logprobs: torch.Tensor | None = None  # [slots, K+1] float32
     step_top_logprobs: torch.Tensor | None = None  # [slots, K+1, N] float32
     step_top_ids: torch.Tensor | None = None  # [slots, K+1, N] int64
+    # With structured output on (EngineConfig.structured_output), the tokens each verify row may sample, as bitmasks
+    # the host writes before every step and prefill (speculative/token_masks.py); None when off.
+    token_masks: torch.Tensor | None = None  # [slots, K+1, ceil(vocab / 32)] int32
     # HiSparse's tiers (compiled_spec/hisparse/tiers.py), one per main layer then one per draft depth; None when off.
     hisparse: HiSparseState | None = None
 
@@ -115,13 +119,14 @@ class DecodeState:
         tree_width: int = 1,
         drafter: str = "mtp",
         max_logprobs: int = 0,
+        structured_output: bool = False,
     ) -> "DecodeState":
         """max_drafts: K, the draft slots (a step may draft fewer). hot_rows and index_dims (one per main layer, then
         per draft depth) turn on the HiSparse tiers; the KV caches are then their cold pool, in cold_dtype (default:
         dtype), and with pinned_cold_pool (CUDA) in pinned host memory. tree_width: the widest depth of a token tree the
         steps may verify (1: chains only). drafter: "mtp" (draft depths with their caches) or "ngram" (the token
         history instead). max_logprobs: N > 0 keeps each emitted token's log-probability and the N most likely
-        tokens."""
+        tokens. structured_output: keeps grammar token masks for each verify row."""
         k = max_drafts
         depths = k if drafter == "mtp" else 0  # draft depths with KV caches and carried hidden states
         # Rows up to position max_seq_len - 1 + k are written by a step; then a tree's scratch rows; one more is the
@@ -169,6 +174,8 @@ class DecodeState:
             step_logprobs=zeros(num_slots, k + 1, dtype=torch.float32) if max_logprobs else None,
             step_top_logprobs=zeros(num_slots, k + 1, max_logprobs, dtype=torch.float32) if max_logprobs else None,
             step_top_ids=zeros(num_slots, k + 1, max_logprobs) if max_logprobs else None,
+            token_masks=torch.full((num_slots, k + 1, mask_words(config.vocab_size)), ALL_TOKENS, dtype=torch.int32,
+                                   device=device) if structured_output else None,
             hisparse=allocate_tiers(hot_rows, index_dims, num_slots, capacity, *cache_shape[2:], dtype, device)
             if hot_rows else None,
         )

@@ -37,6 +37,7 @@ from .logprobs import write_logprobs
 from .attention_backend import AttentionBackend, DenseAttention
 from .sampler import race_sample, sampling_probs, verify_drafts
 from .state import DecodeState
+from .token_masks import mask_logits
 from .tree import draft_candidates, end_on_leaf, leaf_nodes, leaf_rows, tree_layout, verify_tree
 
 
@@ -328,7 +329,10 @@ def speculative_step(model: CausalLM, state: DecodeState, constants: StepConstan
     hidden = model.hidden_states(verify_tokens, layout, state.main_keys, state.main_values, tiers)
     constants.attention.after_main_pass(state, tiers, layout, rows)
     logits = model.logits(hidden)
-    target_probs = sampling_probs(logits, temperature, top_k, top_p)
+    sampled_logits = logits
+    if state.token_masks is not None:  # structured output refuses trees (config.py): the rows are the chain's k+1
+        sampled_logits = mask_logits(logits, state.token_masks[:batch_size, : k + 1])
+    target_probs = sampling_probs(sampled_logits, temperature, top_k, top_p)
     verified = state.draft_counts[:batch_size].clamp(max=k) if slots > 0 else None
     draft_probs = (state.draft_probs[:batch_size, :k] if constants.drafter == "mtp"
                    else ngram.draft_distribution(drafts, target_probs.shape[-1]))
@@ -427,7 +431,8 @@ def prefill(
     last = (prompt_len - 1)[:, None, None].expand(1, 1, hidden.shape[-1])
     temperature, top_k, top_p = _row_params(state, slot)
     logits = model.logits(hidden.gather(1, last)[:, 0]).expand(choices, -1)
-    probs = sampling_probs(logits, temperature, top_k, top_p)
+    sampled_logits = logits if state.token_masks is None else mask_logits(logits, state.token_masks[slot, 0])
+    probs = sampling_probs(sampled_logits, temperature, top_k, top_p)
     seeds = state.seeds[slot]
     first_token = race_sample(probs, rng.stream_key(seeds, lengths, rng.TARGET))
     if state.step_logprobs is not None:
