@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import subprocess
@@ -63,3 +64,14 @@ def describe() -> dict:
         "git_commit": git_commit(),
         "load_average_at_start": list(os.getloadavg()),
     }
+
+
+def save_run(out: Path | None, name: str, record: dict, table: str) -> None:
+    """Prints a benchmark's markdown table and, with out, writes out/{name}.json (the record and this machine) and
+    out/table.md."""
+    print(table)
+    if out is None:
+        return
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.json").write_text(json.dumps(record | {"environment": describe()}, indent=2) + "\n")
+    (out / "table.md").write_text(table + "\n")

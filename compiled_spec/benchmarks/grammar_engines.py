@@ -16,7 +16,7 @@ from pathlib import Path
 
 from compiled_spec import fetch_model
 from compiled_spec.loading.tokenizer import load_tokenizer
-from .environment import describe
+from .environment import save_run
 
 SCHEMA = {"type": "object", "properties": {
     "name": {"type": "string"}, "age": {"type": "integer", "minimum": 0, "maximum": 150},
@@ -91,13 +91,7 @@ def main() -> None:
         lines.append(f"| {name} | not installed | | | | |" if row is None else
                      f"| {name} | {row['tokenizer_setup_s']:.2f} | {row['schema_compile_ms']:.1f} | "
                      f"{row['mask_us_mean']:.1f} | {row['mask_us_median']:.1f} | {row['mask_us_max']:.0f} |")
-    table = "\n".join(lines)
-    print(table)
-    if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        record = {"results": results, "output_tokens": len(tokens), "environment": describe()}
-        (args.out / "grammar_engines.json").write_text(json.dumps(record, indent=2) + "\n")
-        (args.out / "table.md").write_text(table + "\n")
+    save_run(args.out, "grammar_engines", {"results": results, "output_tokens": len(tokens)}, "\n".join(lines))
 
 
 if __name__ == "__main__":

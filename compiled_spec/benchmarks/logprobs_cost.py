@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from compiled_spec import LLM, SamplingParams
-from .environment import describe
+from .environment import save_run
 
 PROMPTS = Path(__file__).with_name("prompts") / "smollm2_held_out.json"
 
@@ -48,13 +48,8 @@ def main() -> None:
     base = best["max_logprobs=0"]
     lines = ["| engine | tokens/s | vs max_logprobs=0 |", "|---|---|---|"]
     lines += [f"| {name} | {rate:.1f} | {rate / base:.3f}x |" for name, rate in best.items()]
-    table = "\n".join(lines)
-    print(table)
-    if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        record = {"tokens_per_second": best, "args": vars(args) | {"out": str(args.out)}, "environment": describe()}
-        (args.out / "logprobs_cost.json").write_text(json.dumps(record, indent=2) + "\n")
-        (args.out / "table.md").write_text(table + "\n")
+    save_run(args.out, "logprobs_cost", {"tokens_per_second": best, "args": vars(args) | {"out": str(args.out)}},
+             "\n".join(lines))
 
 
 if __name__ == "__main__":

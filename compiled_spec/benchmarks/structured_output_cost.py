@@ -23,7 +23,7 @@ import torch
 from compiled_spec import LLM, SamplingParams
 from compiled_spec.engine.engine import Engine
 from compiled_spec.engine.structured_output import Constraint
-from .environment import describe
+from .environment import save_run
 
 SCHEMAS = Path(__file__).with_name("prompts") / "json_schemas.json"
 
@@ -97,13 +97,8 @@ def main() -> None:
                      f"{row['decode_tokens_per_second']:.1f} | "
                      f"{row['decode_tokens_per_second'] / base['decode_tokens_per_second']:.3f}x | {row['tokens']} | "
                      f"{row['acceptance']:.3f} | {row['mean_accepted_length']:.2f} | {host} |")
-    table = "\n".join(lines)
-    print(table)
-    if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        record = {"runs": best, "args": vars(args) | {"out": str(args.out)}, "environment": describe()}
-        (args.out / "structured_output_cost.json").write_text(json.dumps(record, indent=2) + "\n")
-        (args.out / "table.md").write_text(table + "\n")
+    save_run(args.out, "structured_output_cost", {"runs": best, "args": vars(args) | {"out": str(args.out)}},
+             "\n".join(lines))
 
 
 if __name__ == "__main__":
