@@ -207,9 +207,9 @@ def test_the_servers_periodic_canary_catches_a_faulty_graph_counts_it_and_serves
     faults.mkdir()
     (faults / "zero_drafts").touch()
     request = dict(model="tiny", prompt="ROMEO:", max_tokens=64, temperature=0, ignore_eos=True)
-    eager = LLM(model, graph_mode="eager", num_speculative_tokens=2, max_batch_size=1, max_seq_len=256)
+    eager = LLM(model, graph_mode="eager", num_speculative_tokens=2, max_batch_size=1, max_seq_len=80)
     expected = eager.generate("ROMEO:", SamplingParams(max_tokens=64, ignore_eos=True))[0].text
-    command = serve_command(model, "-k", "2", "--max-batch-size", "1", "--max-seq-len", "256", "--graph-mode",
+    command = serve_command(model, "-k", "2", "--max-batch-size", "1", "--max-seq-len", "80", "--graph-mode",
                             "compile", "--served-model-name", "tiny", "--log-level", "warning", faults=faults)
     divergences = 'compiled_spec:graph_divergence_total{model_name="tiny"}'
     with running_server(command, tmp_path / "server.log") as live:
