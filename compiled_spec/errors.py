@@ -1,5 +1,18 @@
 """The errors compiled-spec raises on purpose."""
 
+from typing import Any
+
+SHOWN_VALUE_CHARACTERS = 100  # an echoed value is cut to this many characters
+
+
+def shown(value: Any) -> str:
+    """repr(value) as an error message echoes it: cut to SHOWN_VALUE_CHARACTERS characters, marked with '…'."""
+    try:
+        text = repr(value)
+    except ValueError:  # an int past Python's int-string limit
+        text = f"<{type(value).__name__}>"
+    return text if len(text) <= SHOWN_VALUE_CHARACTERS else text[:SHOWN_VALUE_CHARACTERS] + "…"
+
 
 class CompiledSpecError(ValueError):
     """A problem with the user's input: the message names the bad value and what is allowed.

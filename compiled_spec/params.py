@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass, field
 
 from .config import MAX_LOGPROBS, MAX_SPECULATIVE_TOKENS
-from .errors import CompiledSpecError
+from .errors import CompiledSpecError, shown
 
 # Per-request caps. The engine keeps counts in int64 state; stop strings are matched against the text after every
 # step, in the engine thread and in the server's event loop, so their number and length are bounded.
@@ -72,7 +72,7 @@ class SamplingParams:
             raise CompiledSpecError(f"n={self.n!r} is invalid; allowed: an integer in 1..{MAX_CHOICES} (and at most "
                                     "the engine's max_batch_size)", param="n")
         if self.json_schema is not None and self.json_schema is not True and not isinstance(self.json_schema, dict):
-            raise CompiledSpecError(f"json_schema={_shown(self.json_schema)} is invalid; allowed: a JSON schema (a "
+            raise CompiledSpecError(f"json_schema={shown(self.json_schema)} is invalid; allowed: a JSON schema (a "
                                     "dict), True (any JSON object) or None", param="json_schema")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
@@ -85,11 +85,6 @@ class SamplingParams:
             longest = max(map(len, self.stop))
             raise CompiledSpecError(f"stop has a string of {longest} characters; allowed: at most "
                                     f"{MAX_STOP_CHARACTERS} characters each", param="stop")
-
-
-def _shown(value) -> str:
-    text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
 
 
 @dataclass

@@ -41,8 +41,7 @@ class Grammars:
     def compile(self, schema: dict | bool):
         """SamplingParams.json_schema (a schema, or True: any JSON object) -> a compiled grammar. JSON is written
         without free whitespace (a small model can otherwise emit it forever); a schema's objects take only the
-        properties it names.
-        Compiled schemas are cached by their text."""
+        properties it names."""
         strict = schema is not True
         text = json.dumps(ANY_OBJECT_SCHEMA if schema is True else schema)
         try:
@@ -73,14 +72,13 @@ class Constraint:
         is the forced text's first token instead (a deterministic draft, its q one-hot: lossless, as n-gram drafts
         are), and forced tokens extend the drafts up to limit. Rows past a refused draft allow everything.
         Returns (the drafts the step verifies, the rows that hold a forced token)."""
-        matcher, walked, forced = self.matcher, [], []
-        row = 0
-        while row <= limit:
+        matcher, walked, forced, filled = self.matcher, [], [], 0
+        for row in range(limit + 1):
             if matcher.is_terminated():
                 break
             matcher.fill_next_token_bitmask(masks, row)
+            filled = row + 1
             if row == limit:
-                row += 1
                 break
             token = self._forced_token()
             if token is not None:
@@ -88,11 +86,9 @@ class Constraint:
             elif row < len(drafts) and matcher.accept_token(drafts[row]):
                 token = drafts[row]
             else:
-                row += 1
                 break
             walked.append(token)
-            row += 1
-        masks[row:].fill_(ALL_TOKENS)
+        masks[filled:].fill_(ALL_TOKENS)
         if walked:
             matcher.rollback(len(walked))
         return walked + drafts[len(walked):], forced

@@ -13,23 +13,13 @@ from typing import Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ..detokenizer import TokenPieces
-from ..errors import CompiledSpecError
+from ..errors import SHOWN_VALUE_CHARACTERS, CompiledSpecError, shown
 from ..params import RequestOutput, SamplingParams, SpecStats, TokenLogprob
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 PROMPT_CHARACTERS_PER_TOKEN = 32  # a prompt longer than this many characters per token of the context is refused
 # before it is tokenized: no tokenizer packs 32 characters into each token of a whole prompt
-SHOWN_VALUE_CHARACTERS = 100  # an echoed value is cut to this many characters
 MESSAGE_CHARACTERS = 1000  # an error message is cut to this many (its head and tail kept)
-
-
-def shown(value: Any) -> str:
-    """repr(value) as an error message echoes it: cut to SHOWN_VALUE_CHARACTERS characters, marked with '…'."""
-    try:
-        text = repr(value)
-    except ValueError:  # an int past Python's int-string limit
-        text = f"<{type(value).__name__}>"
-    return text if len(text) <= SHOWN_VALUE_CHARACTERS else text[:SHOWN_VALUE_CHARACTERS] + "…"
 
 
 def clip_message(message: str) -> str:
