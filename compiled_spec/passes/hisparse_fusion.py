@@ -34,7 +34,7 @@ from torch._inductor.pattern_matcher import (
     _TargetArgsExpr,
     fwd_only,
     gen_pattern,
-    register_replacement,
+    register_graph_pattern,
     stable_topological_sort,
 )
 from torch.utils import _pytree as pytree
@@ -130,11 +130,15 @@ def _patterns(config, dtype: torch.dtype) -> PatternMatcherPass:
         search, replace = partial(search, config), partial(replace, config)
         inputs = example_inputs(dtype, weighted, cold_dtype=config.cold_torch_dtype(dtype))
         pattern = _allow_shared_nodes(gen_pattern(search, inputs, trace))
-        register_replacement(
-            search, replace, inputs, trace, patterns, extra_check=partial(_selects_top_k, config),
-            search_fn_pattern=pattern, skip_duplicates=True,
-        )
+        # A graph pattern, not register_replacement: from torch 2.15 that re-traces the search function at each match
+        # into a pattern whose nodes may not feed other layers, so a freezing graph's shared nodes never match.
+        register_graph_pattern(pattern, extra_check=partial(_selects_top_k, config), pass_dict=patterns)(
+            partial(_replace_match, replace, list(inspect.signature(search).parameters)))
     return patterns
+
+
+def _replace_match(replace, argnames: list[str], match: Match, *args, **kwargs) -> None:
+    match.replace_by_example(replace, [kwargs[name] for name in argnames])
 
 
 def _allow_shared_nodes(pattern: PatternExpr) -> PatternExpr:
