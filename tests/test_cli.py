@@ -21,6 +21,8 @@ from compiled_spec.training.train_tokenizer import train_byte_level_bpe
 from tiny_checkpoints import write_checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
+# The install line of the README and of .ci/run: the torch the suite is run on.
+INSTALL = "pip install torch==2.14.1 -e '.[test]'"
 SMALL = ["--max-tokens", "6", "--max-seq-len", "64", "--max-batch-size", "2"]
 
 
@@ -222,27 +224,29 @@ def test_stream_never_prints_a_stop_string():
 
 def test_console_script_is_installed():
     script = shutil.which("compiled-spec") or shutil.which("compiled-spec", path=str(Path(sys.executable).parent))
-    assert script, "the console script is missing; install with: pip install torch==2.13.0 -e '.[test]'"
+    assert script, f"the console script is missing; install with: {INSTALL}"
     result = subprocess.run([script, "--help"], capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
     assert result.returncode == 0, result.stderr
     assert "generate" in result.stdout
 
 
 def ci_script_without_install(tmp_path: Path, readme: str) -> Path:
-    """.ci/run in a folder of its own with this README, its pip install left out."""
+    """.ci/run in a folder of its own with this README, its pip install and its older-torch tier left out."""
     tmp_path.mkdir(exist_ok=True)
     (tmp_path / "README.md").write_text(readme)
     (tmp_path / ".ci").mkdir()
     script = (REPO / ".ci" / "run").read_text()
-    assert "pip install torch==2.13.0 -e '.[test]'" in script
-    (tmp_path / ".ci" / "run").write_text(script.replace("pip install torch==2.13.0 -e '.[test]'", "true"))
+    for step in (INSTALL, "bash .ci/oldest-torch"):
+        assert f"\n{step}\n" in script
+        script = script.replace(f"\n{step}\n", "\ntrue\n")
+    (tmp_path / ".ci" / "run").write_text(script)
     return tmp_path / ".ci" / "run"
 
 
 def test_ci_runs_the_readme_commands(tmp_path):
     readme = (REPO / "README.md").read_text()
     install, test = re.findall(r"```bash\n(.*?)\n```", readme, re.S)[0].splitlines()
-    assert install.startswith("pip install torch==2.13.0 -e '.[test]'")
+    assert install.startswith(INSTALL)
     assert os.access(REPO / ".ci" / "run", os.X_OK)
     script = ci_script_without_install(tmp_path, readme.replace(test, "echo ran:$TORCHINDUCTOR_CACHE_DIR"))
     result = subprocess.run(["bash", str(script)], capture_output=True, text=True)
@@ -263,6 +267,6 @@ def fake_python(tmp_path: Path) -> Path:
 
 def test_ci_fails_when_no_test_is_collected(tmp_path):
     """pytest exits 5 when a selection collects nothing: CI must fail then, not pass."""
-    script = ci_script_without_install(tmp_path, "```bash\npip install torch==2.13.0 -e '.[test]'\nexit 5\n```\n")
+    script = ci_script_without_install(tmp_path, f"```bash\n{INSTALL}\nexit 5\n```\n")
     result = subprocess.run(["bash", str(script)], capture_output=True, text=True)
     assert result.returncode == 5 and "no tests collected" in result.stderr

@@ -72,6 +72,7 @@ def measure_engine(spec: dict) -> dict:
     from compiled_spec import LLM, HiSparseConfig, SamplingParams
     from compiled_spec.model import cpu_kernels
     from compiled_spec.model.half_weight_linear import draft_weight_dtype
+    from compiled_spec.compiler import torch_patches
     from compiled_spec.compiler.step_runner import graphs_made
 
     mode, k, batch = spec["graph_mode"], spec["num_speculative_tokens"], spec["batch_size"]
@@ -179,6 +180,7 @@ def measure_engine(spec: dict) -> dict:
         "drafter": llm.config.drafter if llm.config.max_drafts else None,
         "draft_weight_dtype": draft_weight_dtype(llm.model),
         "cpu_kernels": cpu_kernels.status(),  # "built", "not built: <why>", or "not needed" (eager)
+        "torch_patches": torch_patches.installed(),  # name -> key or "as shipped"; empty in eager
         **same_process,
     }
 

@@ -155,6 +155,18 @@ def kernels_text(records: list[dict]) -> str:
     return f" CPU kernels: {'; '.join(states)}." if states else ""
 
 
+def patches_text(records: list[dict]) -> str:
+    """Which of the changes to torch (compiler/torch_patches.py) the compiled cells ran with."""
+    patches = {name: key for record in records for name, key in record.get("torch_patches", {}).items()}
+    if not patches:
+        return ""
+    shipped = sorted(name for name, key in patches.items() if key == "as shipped")
+    if not shipped:
+        return f" Torch patches: all {len(patches)} applied."
+    return (f" Torch patches: {len(patches) - len(shipped)} of {len(patches)} applied; as torch ships them: "
+            f"{', '.join(shipped)}.")
+
+
 def markdown(results: dict, plot_names: list[str] = ()) -> str:
     env, settings = results["environment"], results["settings"]
     anchors = [name for name in ANCHORS if any(r.get("anchor") == name for r in anchor_records(results))]
@@ -167,7 +179,7 @@ def markdown(results: dict, plot_names: list[str] = ()) -> str:
         f"torch {env['torch']}, transformers {env['transformers']}, compiled-spec {env['compiled_spec']} "
         f"({env['git_commit']}); load average {env['load_average_at_start'][0]:.2f} at start, "
         f"{env.get('load_average_at_end', [float('nan')])[0]:.2f} at end. " + bandwidth_text(env)
-        + kernels_text(engine_records(results)),
+        + kernels_text(engine_records(results)) + patches_text(engine_records(results)),
         "",
         f"{settings['prompts']} prompts ({min(settings['prompt_lengths'])}–{max(settings['prompt_lengths'])} tokens), "
         f"{settings['max_tokens']} new tokens each, {settings['sampling']}; max_seq_len {settings['max_seq_len']}, "

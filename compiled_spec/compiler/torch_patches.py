@@ -31,7 +31,7 @@ import torch
 log = logging.getLogger(__name__)
 
 # The torch releases the patches were written for: [first, first not supported), as pyproject's torch pin.
-TORCH_VERSIONS = ((2, 13), (2, 15))
+TORCH_VERSIONS = ((2, 13), (2, 16))
 
 
 class Unfit(Exception):
