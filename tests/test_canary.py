@@ -212,7 +212,8 @@ def test_the_servers_periodic_canary_catches_a_faulty_graph_counts_it_and_serves
     command = serve_command(model, "-k", "2", "--max-batch-size", "1", "--max-seq-len", "80", "--graph-mode",
                             "compile", "--served-model-name", "tiny", "--log-level", "warning", faults=faults)
     divergences = 'compiled_spec:graph_divergence_total{model_name="tiny"}'
-    with running_server(command, tmp_path / "server.log") as live:
+    # The server compiles four graphs before it answers /health: a minute each on a loaded 2-core machine.
+    with running_server(command, tmp_path / "server.log", startup_timeout_s=900) as live:
         for _ in range(12):  # 64 steps each while the drafts are zeroed: the check at step 256 comes in the 5th
             response = httpx.post(live.base_url + "/v1/completions", json=request, timeout=300).json()
             if live.metrics()[divergences] >= 1:
