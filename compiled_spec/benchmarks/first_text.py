@@ -12,16 +12,14 @@ import argparse
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import time
 import urllib.request
 from pathlib import Path
 
-import psutil
-
 from .environment import save_run
+from .live_server import free_port
 
 PROMPT = "ROMEO:"
 
@@ -32,12 +30,14 @@ def fresh_environment(folder: Path) -> dict:
 
 
 def stop_everything_started_in(folder: Path) -> None:
-    """Kills the processes whose inductor cache is this run's (the command, its background compile and workers)."""
-    for process in psutil.process_iter():
+    """Kills the processes whose inductor cache is this run's: the command, and the background compile it started
+    (which leads a session of its own) with its workers."""
+    mark = f"TORCHINDUCTOR_CACHE_DIR={folder / 'inductor'}".encode()
+    for environ in Path("/proc").glob("[0-9]*/environ"):
         try:
-            if process.environ().get("TORCHINDUCTOR_CACHE_DIR") == str(folder / "inductor"):
-                process.kill()
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            if mark in environ.read_bytes().split(b"\0"):
+                os.kill(int(environ.parent.name), signal.SIGKILL)
+        except (OSError, ValueError):  # gone, or not ours to read
             pass
 
 
@@ -54,12 +54,6 @@ def first_generated_byte(script: str, folder: Path) -> float:
     seconds = time.perf_counter() - start
     process.wait()
     return seconds
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def serve_ready(script: str, folder: Path, timeout_s: float = 600) -> float:
