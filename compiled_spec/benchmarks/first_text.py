@@ -20,6 +20,7 @@ from pathlib import Path
 
 from .environment import save_run
 from .live_server import free_port
+from .torch_versions import torch_of
 
 PROMPT = "ROMEO:"
 
@@ -86,8 +87,7 @@ def main() -> None:
     bin_folder = Path(args.python).parent if args.python else None
     script = shutil.which("compiled-spec", path=str(bin_folder) if bin_folder else None)
     python = args.python or shutil.which("python")
-    torch_version = subprocess.run([python, "-c", "import torch; print(torch.__version__)"], capture_output=True,
-                                   text=True, check=True).stdout.strip()
+    torch_version = torch_of(python)
     results = {"generate": [], "serve": []}
     for measure, name in ((first_generated_byte, "generate"), (serve_ready, "serve")):
         for _ in range(args.runs):

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from compiled_spec.compiler.torch_patches import AS_SHIPPED
+
 from .anchors import ANCHORS
 
 
@@ -155,16 +157,18 @@ def kernels_text(records: list[dict]) -> str:
     return f" CPU kernels: {'; '.join(states)}." if states else ""
 
 
-def patches_text(records: list[dict]) -> str:
-    """Which of the changes to torch (compiler/torch_patches.py) the compiled cells ran with."""
+def patches_summary(records: list[dict]) -> str:
+    """Which of the changes to torch (compiler/torch_patches.py) the compiled cells ran with ("" for eager cells)."""
     patches = {name: key for record in records for name, key in record.get("torch_patches", {}).items()}
-    if not patches:
-        return ""
-    shipped = sorted(name for name, key in patches.items() if key == "as shipped")
-    if not shipped:
-        return f" Torch patches: all {len(patches)} applied."
-    return (f" Torch patches: {len(patches) - len(shipped)} of {len(patches)} applied; as torch ships them: "
-            f"{', '.join(shipped)}.")
+    shipped = sorted(name for name, key in patches.items() if key == AS_SHIPPED)
+    if not patches or not shipped:
+        return f"all {len(patches)} applied" if patches else ""
+    return f"{len(patches) - len(shipped)} of {len(patches)} applied; as torch ships them: {', '.join(shipped)}"
+
+
+def patches_text(records: list[dict]) -> str:
+    summary = patches_summary(records)
+    return f" Torch patches: {summary}." if summary else ""
 
 
 def markdown(results: dict, plot_names: list[str] = ()) -> str:

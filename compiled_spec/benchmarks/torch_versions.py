@@ -16,7 +16,7 @@ import tempfile
 from pathlib import Path
 
 from .environment import save_run
-from .report import acceptance_text, engine_records, number, patches_text
+from .report import acceptance_text, engine_records, number, patches_summary
 
 PROMPTS = Path(__file__).with_name("prompts")
 # (label, bench's model options, k values: 0 and the model's default)
@@ -71,7 +71,7 @@ def main() -> None:
                     f"| {label}", version, str(cell["num_speculative_tokens"]), number(cell["tokens_per_s"]),
                     f"{cell['step_latency_ms']['p50']:.2f}", acceptance_text(cell),
                     number(cell["warmup_s"]), "yes" if same else "no",
-                    patches_text([cell]).removeprefix(" Torch patches: ").removesuffix("."),
+                    patches_summary([cell]),
                 ]) + " |")
     table = "\n".join([
         "| model | torch | k | tokens/s | step p50 ms | acceptance by position | warm-up s (cold compile) "
